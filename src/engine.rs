@@ -1,0 +1,337 @@
+//! The request path between bytes and counters: a line is parsed, matched
+//! against the rules, its counters are decided by the backend, metrics are
+//! counted, and a [`Reply`] comes out. Connections call [`Engine::execute`];
+//! nothing here touches a socket.
+
+use crate::clock::Clock;
+use crate::limiter::{Decision, WindowQuota};
+use crate::metrics::{HitStatus, LabelCounters, Metrics};
+use crate::protocol::{encode_err, encode_ok, parse_line, ErrorCode, Pairs, Verb};
+use crate::rules::{MatchPolicy, Quota, RuleSet};
+use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
+use arc_swap::ArcSwap;
+use futures_util::future::BoxFuture;
+use smallvec::SmallVec;
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What a hit gets when its counter cannot be decided (backend down, live-key
+/// cap reached).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum UnavailablePolicy {
+    /// `ERR unknown "<reason>"`, as divvy answers when Redis fails.
+    #[default]
+    Error,
+    /// Fail open: `OK true <creditLimit> 0`.
+    Allow,
+    /// Fail closed: `OK false 0 -1`.
+    Deny,
+}
+
+/// One response line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// `OK <allowed> <credit> <nextResetSeconds>`
+    Decision(Decision),
+    /// A whole line of an extension command (without the newline).
+    Line(String),
+    /// `ERR <code> "<message>"`; the connection closes after it.
+    Error {
+        code: ErrorCode,
+        message: Cow<'static, str>,
+    },
+}
+
+impl Reply {
+    pub fn error(message: impl Into<Cow<'static, str>>) -> Reply {
+        Reply::Error {
+            code: ErrorCode::Unknown,
+            message: message.into(),
+        }
+    }
+
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Reply::Decision(d) => encode_ok(out, d.allowed, d.credit, d.next_reset_seconds),
+            Reply::Line(line) => {
+                out.extend_from_slice(line.as_bytes());
+                out.push(b'\n');
+            }
+            Reply::Error { code, message } => encode_err(out, *code, message),
+        }
+    }
+
+    /// Does the connection close after this reply?
+    pub fn closes_connection(&self) -> bool {
+        matches!(self, Reply::Error { .. })
+    }
+}
+
+/// The result of executing a line: a reply now, or one to wait for.
+pub enum Outcome {
+    Now(Reply),
+    Later(BoxFuture<'static, Reply>),
+}
+
+/// Handles for extension commands that other subsystems answer (droplet
+/// buckets, cluster topology). Each returns `None` when not enabled.
+pub trait CommandExtension: Send + Sync + 'static {
+    fn execute(&self, verb: Verb, pairs: &Pairs<'_>, now_ms: u64) -> Option<Outcome>;
+}
+
+/// Rules plus the per-label metric cells of each rule, swapped as one.
+pub struct LoadedRules {
+    pub set: RuleSet,
+    label_counters: Vec<Arc<LabelCounters>>,
+}
+
+/// One evaluated rule of a request: its position and, for limited quotas, the
+/// index of its counter op (otherwise its fixed decision).
+#[derive(Clone, Copy)]
+enum Step {
+    Fixed(usize, Decision),
+    Counter(usize, usize),
+}
+
+type Plan = SmallVec<[Step; 2]>;
+
+pub struct Engine {
+    rules: ArcSwap<LoadedRules>,
+    backend: Arc<dyn Backend>,
+    clock: Arc<dyn Clock>,
+    pub metrics: Arc<Metrics>,
+    unavailable_policy: UnavailablePolicy,
+    extensions: Vec<Arc<dyn CommandExtension>>,
+    /// `DEBUG=divvy`: log each evaluated rule's comment.
+    debug_rules: bool,
+}
+
+impl Engine {
+    pub fn new(
+        rules: RuleSet,
+        backend: Arc<dyn Backend>,
+        clock: Arc<dyn Clock>,
+        metrics: Arc<Metrics>,
+        unavailable_policy: UnavailablePolicy,
+    ) -> Engine {
+        let loaded = Self::load(&metrics, rules);
+        Engine {
+            rules: ArcSwap::from_pointee(loaded),
+            backend,
+            clock,
+            metrics,
+            unavailable_policy,
+            extensions: Vec::new(),
+            debug_rules: std::env::var("DEBUG")
+                .is_ok_and(|v| v.split(',').any(|s| s.trim() == "divvy")),
+        }
+    }
+
+    /// Adds a handler for extension commands (`TAKE`, `QUERY`, `TOPOLOGY`).
+    pub fn with_extension(mut self, extension: Arc<dyn CommandExtension>) -> Engine {
+        self.extensions.push(extension);
+        self
+    }
+
+    fn load(metrics: &Metrics, set: RuleSet) -> LoadedRules {
+        let label_counters = set
+            .rules()
+            .iter()
+            .map(|r| metrics.label_counters(r.label.as_deref().unwrap_or("")))
+            .collect();
+        LoadedRules {
+            set,
+            label_counters,
+        }
+    }
+
+    /// Replaces the rules; requests already executing finish on the old ones.
+    /// Counters of rules whose identity is unchanged keep counting.
+    pub fn replace_rules(&self, set: RuleSet) {
+        self.rules.store(Arc::new(Self::load(&self.metrics, set)));
+    }
+
+    pub fn rules(&self) -> Arc<LoadedRules> {
+        self.rules.load_full()
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Executes one request line (without its terminator).
+    pub fn execute(self: &Arc<Self>, line: &[u8]) -> Outcome {
+        let started = Instant::now();
+        let text = match std::str::from_utf8(line) {
+            Ok(text) => Cow::Borrowed(text),
+            Err(_) => String::from_utf8_lossy(line),
+        };
+        let command = match parse_line(&text) {
+            Ok(command) => command,
+            Err(error) => {
+                let code = match error {
+                    crate::protocol::ParseError::UnknownCommand(_) => ErrorCode::UnknownCommand,
+                    _ => ErrorCode::Unknown,
+                };
+                self.metrics.error(code);
+                return Outcome::Now(Reply::Error {
+                    code,
+                    message: error.to_string().into(),
+                });
+            }
+        };
+        match command.verb {
+            Verb::Hit => self.hit(&command.pairs, false, started),
+            Verb::Peek => self.hit(&command.pairs, true, started),
+            verb => {
+                let now_ms = self.clock.now_ms();
+                for extension in &self.extensions {
+                    if let Some(outcome) = extension.execute(verb, &command.pairs, now_ms) {
+                        return outcome;
+                    }
+                }
+                let word = match verb {
+                    Verb::Take => "TAKE",
+                    Verb::Query => "QUERY",
+                    Verb::Topology => "TOPOLOGY",
+                    Verb::Hit | Verb::Peek => unreachable!("handled above"),
+                };
+                self.metrics.error(ErrorCode::UnknownCommand);
+                Outcome::Now(Reply::Error {
+                    code: ErrorCode::UnknownCommand,
+                    message: format!("Unrecognized command: {word}").into(),
+                })
+            }
+        }
+    }
+
+    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, started: Instant) -> Outcome {
+        let loaded = self.rules.load();
+        let mut ops: SmallVec<[CounterOp<'_>; 2]> = SmallVec::new();
+        let mut plan = Plan::new();
+        for rule in loaded.set.evaluate(pairs) {
+            let step = match rule.quota {
+                Quota::AlwaysDeny => Step::Fixed(rule.position, Decision::ALWAYS_DENY),
+                Quota::AlwaysAllow { credit_limit } => {
+                    Step::Fixed(rule.position, Decision::always_allow(credit_limit))
+                }
+                Quota::Limited {
+                    credit_limit,
+                    reset_seconds,
+                } => {
+                    let quota = WindowQuota::new(credit_limit, reset_seconds)
+                        .expect("limited quotas are positive");
+                    ops.push(CounterOp {
+                        rule,
+                        actor: rule.actor(pairs),
+                        quota,
+                        peek,
+                    });
+                    Step::Counter(rule.position, ops.len() - 1)
+                }
+            };
+            plan.push(step);
+        }
+        if ops.is_empty() {
+            return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, started));
+        }
+        let decided = self.backend.decide(&ops, self.clock.now_ms());
+        drop(ops);
+        match decided {
+            Decided::Ready(decisions) => {
+                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, started))
+            }
+            Decided::Later(future) => {
+                let engine = Arc::clone(self);
+                let loaded = arc_swap::Guard::into_inner(loaded);
+                Outcome::Later(Box::pin(async move {
+                    let decisions = future.await;
+                    engine.finish(&loaded, &plan, decisions, peek, started)
+                }))
+            }
+        }
+    }
+
+    /// Turns decisions into the reply (the last evaluated rule's) and counts
+    /// metrics once per evaluated rule.
+    fn finish(
+        &self,
+        loaded: &LoadedRules,
+        plan: &Plan,
+        decisions: Decisions,
+        peek: bool,
+        started: Instant,
+    ) -> Reply {
+        let mut last: Option<Result<Decision, &BackendError>> = None;
+        for step in plan {
+            let (position, result) = match *step {
+                Step::Fixed(position, decision) => (position, Ok(decision)),
+                Step::Counter(position, op) => match decisions.get(op) {
+                    Some(Ok(decision)) => (position, Ok(*decision)),
+                    Some(Err(error)) => (position, Err(error)),
+                    None => return Reply::error("backend returned too few decisions"),
+                },
+            };
+            let rule = &loaded.set.rules()[position];
+            if let (Ok(decision), false) = (&result, peek) {
+                let canary = rule.match_policy == MatchPolicy::Canary;
+                self.metrics.hit_evaluated(
+                    &loaded.label_counters[position],
+                    HitStatus::new(decision.allowed, canary),
+                );
+                if self.debug_rules {
+                    tracing::debug!(
+                        target: "divvy",
+                        rule = %rule.origin,
+                        comment = rule.comment.as_deref().unwrap_or(""),
+                        allowed = decision.allowed,
+                        "rule evaluated"
+                    );
+                }
+            }
+            last = Some(result);
+        }
+        match last {
+            Some(Ok(decision)) => {
+                if !peek {
+                    self.metrics.hit_duration(started.elapsed());
+                }
+                Reply::Decision(decision)
+            }
+            Some(Err(error)) => self.unavailable(loaded, plan, error),
+            None => Reply::error("no rule matched"),
+        }
+    }
+
+    fn unavailable(&self, loaded: &LoadedRules, plan: &Plan, error: &BackendError) -> Reply {
+        match self.unavailable_policy {
+            UnavailablePolicy::Error => {
+                self.metrics.error(ErrorCode::Unknown);
+                Reply::error(error.to_string())
+            }
+            UnavailablePolicy::Deny => Reply::Decision(Decision::ALWAYS_DENY),
+            UnavailablePolicy::Allow => {
+                let limit = plan
+                    .last()
+                    .and_then(|step| {
+                        match loaded.set.rules()[match *step {
+                            Step::Fixed(p, _) | Step::Counter(p, _) => p,
+                        }]
+                        .quota
+                        {
+                            Quota::Limited { credit_limit, .. }
+                            | Quota::AlwaysAllow { credit_limit } => Some(credit_limit),
+                            Quota::AlwaysDeny => None,
+                        }
+                    })
+                    .unwrap_or(0);
+                Reply::Decision(Decision::always_allow(limit))
+            }
+        }
+    }
+}

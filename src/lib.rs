@@ -1,0 +1,18 @@
+//! Tollgate: a rate-limit and quota server that speaks divvy's line protocol
+//! (and droplet's), keeps counters in memory on a thread-per-core runtime, and
+//! can run as a Raft-replicated cluster or on divvy's Redis.
+//!
+//! The request path runs one way: [`protocol`] (bytes → command) →
+//! [`rules`] (command → evaluated rules) → [`store`] (counters, via a
+//! backend) with [`limiter`] (pure algorithms) → [`engine`] (the reply) →
+//! [`server`] (sockets, threads, shutdown). Binaries are thin wrappers.
+
+pub mod client;
+pub mod clock;
+pub mod engine;
+pub mod limiter;
+pub mod metrics;
+pub mod protocol;
+pub mod rules;
+pub mod server;
+pub mod store;

@@ -1,0 +1,323 @@
+//! The request tokenizer and parser, matching divvy 1.7.1 byte for byte
+//! (SPEC §1): quoted and unquoted tokens, a case-insensitive command word, and
+//! `key=value` pairs with divvy's exact error messages.
+
+use smallvec::SmallVec;
+use std::fmt;
+
+/// Pairs beyond this count are sorted and deduplicated so that lookups stay
+/// logarithmic; below it a linear scan from the end ("last value wins") is
+/// faster than any index.
+const PAIRS_LINEAR_MAX: usize = 16;
+
+/// The commands a line may carry. Every command takes the same `k=v` grammar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    /// Check and consume quota (divvy).
+    Hit,
+    /// What a `HIT` would answer, consuming nothing (Tollgate extension).
+    Peek,
+    /// Take tokens from a droplet-style bucket (Tollgate extension).
+    Take,
+    /// Read a droplet-style bucket without changing it (Tollgate extension).
+    Query,
+    /// Describe the cluster's shards and leaders (Tollgate extension).
+    Topology,
+}
+
+impl Verb {
+    const ALL: [(Verb, &'static str); 5] = [
+        (Verb::Hit, "HIT"),
+        (Verb::Peek, "PEEK"),
+        (Verb::Take, "TAKE"),
+        (Verb::Query, "QUERY"),
+        (Verb::Topology, "TOPOLOGY"),
+    ];
+
+    fn from_word(word: &str) -> Option<Verb> {
+        if word.is_ascii() {
+            Self::ALL
+                .iter()
+                .find(|(_, name)| word.eq_ignore_ascii_case(name))
+                .map(|(verb, _)| *verb)
+        } else {
+            // Unicode upper-casing can turn non-ASCII letters into ASCII ones
+            // (`ı` → `I`), exactly as divvy's `toUpperCase` did.
+            let upper = word.to_uppercase();
+            Self::ALL
+                .iter()
+                .find(|(_, name)| upper == *name)
+                .map(|(verb, _)| *verb)
+        }
+    }
+}
+
+/// A parsed request line. Keys and values borrow from the line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Command<'a> {
+    pub verb: Verb,
+    pub pairs: Pairs<'a>,
+}
+
+/// The `key=value` pairs of a request, in the order given. When a key is given
+/// twice, lookups see its last value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pairs<'a> {
+    items: SmallVec<[(&'a str, &'a str); 8]>,
+    /// Set when `items` was sorted by key and deduplicated (many pairs).
+    sorted: bool,
+}
+
+impl<'a> Pairs<'a> {
+    /// Builds pairs from a list, as the parser would (last value wins).
+    pub fn from_slice(items: &[(&'a str, &'a str)]) -> Self {
+        let mut pairs = Pairs::default();
+        for &(k, v) in items {
+            pairs.items.push((k, v));
+        }
+        pairs.finish();
+        pairs
+    }
+
+    fn finish(&mut self) {
+        if self.items.len() > PAIRS_LINEAR_MAX {
+            // Stable sort keeps equal keys in input order; keep the last of each run.
+            self.items.sort_by(|a, b| a.0.cmp(b.0));
+            let mut deduped: SmallVec<[(&'a str, &'a str); 8]> = SmallVec::new();
+            for item in self.items.drain(..) {
+                match deduped.last_mut() {
+                    Some(last) if last.0 == item.0 => *last = item,
+                    _ => deduped.push(item),
+                }
+            }
+            self.items = deduped;
+            self.sorted = true;
+        }
+    }
+
+    /// The value of `key`, if the request has it.
+    pub fn get(&self, key: &str) -> Option<&'a str> {
+        if self.sorted {
+            self.items
+                .binary_search_by(|(k, _)| (*k).cmp(key))
+                .ok()
+                .map(|i| self.items[i].1)
+        } else {
+            self.items
+                .iter()
+                .rev()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| *v)
+        }
+    }
+
+    /// Every pair as given (with duplicates when few pairs were given).
+    pub fn iter(&self) -> impl Iterator<Item = (&'a str, &'a str)> + '_ {
+        self.items.iter().copied()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
+/// Why a line could not be executed. `Display` gives divvy's exact message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParseError {
+    /// The command word is not one we know (already upper-cased).
+    UnknownCommand(String),
+    UnexpectedEndOfInput,
+    UnexpectedEndOfQuoted,
+    ExpectedEquals(char),
+    ExpectedWhitespace(char),
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParseError::UnknownCommand(word) => write!(f, "Unrecognized command: {word}"),
+            ParseError::UnexpectedEndOfInput => f.write_str("Unexpected end of input string."),
+            ParseError::UnexpectedEndOfQuoted => f.write_str("Unexpected end of quoted string."),
+            ParseError::ExpectedEquals(c) => write!(f, "Expected '=', found '{c}'"),
+            ParseError::ExpectedWhitespace(c) => write!(f, "Expected whitespace, found '{c}'"),
+        }
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+/// Whitespace as divvy's tokenizer saw it: JavaScript's `\s` (Unicode
+/// White_Space without U+0085, plus U+FEFF).
+pub fn is_whitespace(c: char) -> bool {
+    matches!(
+        c,
+        ' ' | '\t' | '\n' | '\u{b}' | '\u{c}' | '\r' | '\u{a0}' | '\u{1680}' | '\u{2000}'
+            ..='\u{200a}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202f}'
+                | '\u{205f}'
+                | '\u{3000}'
+                | '\u{feff}'
+    )
+}
+
+/// Reads one token starting at byte `pos`: a quoted token runs to the next
+/// `"` (no escapes); any other token runs to the first whitespace or `=`.
+/// Returns the token and the byte position just after it.
+fn read_token(s: &str, pos: usize) -> Result<(&str, usize), ParseError> {
+    let rest = &s[pos..];
+    if let Some(quoted) = rest.strip_prefix('"') {
+        let close =
+            memchr::memchr(b'"', quoted.as_bytes()).ok_or(ParseError::UnexpectedEndOfQuoted)?;
+        Ok((&quoted[..close], pos + 1 + close + 1))
+    } else {
+        let len = rest
+            .char_indices()
+            .find(|&(_, c)| c == '=' || is_whitespace(c))
+            .map_or(rest.len(), |(i, _)| i);
+        Ok((&rest[..len], pos + len))
+    }
+}
+
+fn next_char(s: &str, pos: usize) -> Option<char> {
+    s[pos..].chars().next()
+}
+
+/// Parses one request line (without its terminator).
+pub fn parse_line(line: &str) -> Result<Command<'_>, ParseError> {
+    let (word, after_word) = read_token(line, 0)?;
+    let verb =
+        Verb::from_word(word).ok_or_else(|| ParseError::UnknownCommand(word.to_uppercase()))?;
+    let pairs = parse_pairs(line[after_word..].trim_matches(is_whitespace))?;
+    Ok(Command { verb, pairs })
+}
+
+/// Reads `key=value` pairs separated by whitespace from an already trimmed string.
+fn parse_pairs(s: &str) -> Result<Pairs<'_>, ParseError> {
+    let mut pairs = Pairs::default();
+    let mut pos = 0;
+    while pos < s.len() {
+        let (key, after_key) = read_token(s, pos)?;
+        match next_char(s, after_key) {
+            Some('=') => {}
+            Some(c) => return Err(ParseError::ExpectedEquals(c)),
+            None => return Err(ParseError::UnexpectedEndOfInput),
+        }
+        let (value, after_value) = read_token(s, after_key + 1)?;
+        pairs.items.push((key, value));
+        match next_char(s, after_value) {
+            None => break,
+            Some(c) if is_whitespace(c) => {
+                let rest = &s[after_value..];
+                pos = after_value + (rest.len() - rest.trim_start_matches(is_whitespace).len());
+            }
+            Some(c) => return Err(ParseError::ExpectedWhitespace(c)),
+        }
+    }
+    pairs.finish();
+    Ok(pairs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(line: &str) -> Vec<(String, String)> {
+        let cmd = parse_line(line).expect("parses");
+        assert_eq!(cmd.verb, Verb::Hit);
+        cmd.pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn err(line: &str) -> String {
+        parse_line(line).expect_err("must fail").to_string()
+    }
+
+    #[test]
+    fn spec_error_table() {
+        assert_eq!(err("FOO"), "Unrecognized command: FOO");
+        assert_eq!(err("foo bar"), "Unrecognized command: FOO");
+        assert_eq!(err(""), "Unrecognized command: ");
+        assert_eq!(err("   "), "Unrecognized command: ");
+        assert_eq!(err(" HIT a=b"), "Unrecognized command: ");
+        assert_eq!(err("HIT a"), "Unexpected end of input string.");
+        assert_eq!(err("HIT a b"), "Expected '=', found ' '");
+        assert_eq!(err("HIT a=b=c"), "Expected whitespace, found '='");
+        assert_eq!(err("HIT a=\"b\"c"), "Expected whitespace, found 'c'");
+        assert_eq!(err("HIT \"a"), "Unexpected end of quoted string.");
+        assert_eq!(err("\"HIT"), "Unexpected end of quoted string.");
+        assert_eq!(err("HIT a=\"b"), "Unexpected end of quoted string.");
+    }
+
+    #[test]
+    fn quoting_and_edge_pairs() {
+        assert_eq!(pairs("HIT"), vec![]);
+        assert_eq!(pairs("hit a=b"), vec![("a".into(), "b".into())]);
+        assert_eq!(
+            pairs("Hit \"a b\"=\"c=d\tx\""),
+            vec![("a b".into(), "c=d\tx".into())]
+        );
+        assert_eq!(pairs("HIT ="), vec![("".into(), "".into())]);
+        assert_eq!(pairs("HIT \"\"=\"\""), vec![("".into(), "".into())]);
+        assert_eq!(pairs("HIT a="), vec![("a".into(), "".into())]);
+        assert_eq!(pairs("HIT a=b\"c"), vec![("a".into(), "b\"c".into())]);
+        assert_eq!(pairs("HIT=x"), vec![("".into(), "x".into())]);
+        assert_eq!(
+            pairs("HIT  a=1 \t b=2  "),
+            vec![("a".into(), "1".into()), ("b".into(), "2".into())]
+        );
+        assert_eq!(
+            pairs("HIT a=1\rb=2\r"),
+            vec![("a".into(), "1".into()), ("b".into(), "2".into())]
+        );
+        assert_eq!(
+            pairs("HIT\u{3000}a=1\u{feff}b=2"),
+            vec![("a".into(), "1".into()), ("b".into(), "2".into())]
+        );
+        assert_eq!(pairs("\"HIT\" a=1"), vec![("a".into(), "1".into())]);
+    }
+
+    #[test]
+    fn unicode_whitespace_and_offending_characters() {
+        assert_eq!(err("HIT a\u{2003}b"), "Expected '=', found '\u{2003}'");
+        assert_eq!(err("HIT a=b=\u{1F600}"), "Expected whitespace, found '='");
+        assert_eq!(
+            err("HIT a=\"b\"\u{1F600}"),
+            "Expected whitespace, found '\u{1F600}'"
+        );
+        // U+0085 is not whitespace to divvy: it is part of the token.
+        assert_eq!(
+            pairs("HIT a=b\u{85}c"),
+            vec![("a".into(), "b\u{85}c".into())]
+        );
+        // Dotless i upper-cases to I, as in JavaScript.
+        assert_eq!(parse_line("h\u{131}t a=b").unwrap().verb, Verb::Hit);
+        assert_eq!(err("caf\u{e9}"), "Unrecognized command: CAF\u{c9}");
+    }
+
+    #[test]
+    fn last_value_wins_with_few_and_many_pairs() {
+        let cmd = parse_line("HIT a=1 b=2 a=3").unwrap();
+        assert_eq!(cmd.pairs.get("a"), Some("3"));
+        assert_eq!(cmd.pairs.get("c"), None);
+        let mut line = String::from("HIT");
+        for i in 0..100 {
+            line.push_str(&format!(" k{}={}", i % 30, i));
+        }
+        let cmd = parse_line(&line).unwrap();
+        assert_eq!(cmd.pairs.get("k5"), Some("95"));
+        assert_eq!(cmd.pairs.get("k29"), Some("89"));
+        assert_eq!(cmd.pairs.get("k30"), None);
+    }
+
+    #[test]
+    fn other_verbs() {
+        assert_eq!(parse_line("peek a=b").unwrap().verb, Verb::Peek);
+        assert_eq!(parse_line("TAKE bucket=x").unwrap().verb, Verb::Take);
+        assert_eq!(parse_line("query bucket=x").unwrap().verb, Verb::Query);
+        assert_eq!(parse_line("TOPOLOGY").unwrap().verb, Verb::Topology);
+    }
+}

@@ -1,0 +1,93 @@
+//! Reading divvy's JSON rule files with serde: `{"overrides": [rule, …],
+//! "default": rule}`, the default appended last. Non-string operation values
+//! become their JSON text, as divvy's JavaScript did.
+
+use super::{parse_int_prefix, ConfigError, RawRule, RuleOrigin};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+#[derive(Deserialize)]
+struct File {
+    #[serde(default)]
+    overrides: Vec<JsonRule>,
+    default: Option<JsonRule>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct JsonRule {
+    #[serde(default)]
+    operation: serde_json::Map<String, Value>,
+    #[serde(default)]
+    credit_limit: Value,
+    #[serde(default)]
+    reset_seconds: Value,
+    #[serde(default)]
+    actor_field: Option<String>,
+    #[serde(default)]
+    label: Option<String>,
+    #[serde(default)]
+    comment: Option<String>,
+    #[serde(default)]
+    match_policy: Option<String>,
+    #[serde(default)]
+    algorithm: Option<String>,
+    /// Fields we do not know are accepted and ignored, as divvy did.
+    #[serde(flatten)]
+    _unknown: BTreeMap<String, Value>,
+}
+
+/// A JSON value as text: strings as themselves, anything else as JSON.
+fn text_of(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A whole number from a JSON number or a numeric string; `None` otherwise
+/// (fractions included: quotas count whole hits).
+fn integer_of(value: &Value) -> Option<i64> {
+    match value {
+        Value::Number(n) => n.as_i64(),
+        Value::String(s) => parse_int_prefix(s),
+        _ => None,
+    }
+}
+
+impl JsonRule {
+    fn into_raw(self, index: Option<usize>) -> RawRule {
+        RawRule {
+            operation: self
+                .operation
+                .iter()
+                .map(|(k, v)| (k.clone(), text_of(v)))
+                .collect(),
+            credit_limit: integer_of(&self.credit_limit),
+            credit_limit_text: text_of(&self.credit_limit),
+            reset_seconds: integer_of(&self.reset_seconds),
+            reset_seconds_text: text_of(&self.reset_seconds),
+            actor_field: self.actor_field.filter(|f| !f.is_empty()),
+            label: self.label,
+            comment: self.comment,
+            match_policy: self.match_policy,
+            algorithm: self.algorithm,
+            origin: RuleOrigin::Json { index },
+        }
+    }
+}
+
+pub fn read(text: &str) -> Result<Vec<RawRule>, ConfigError> {
+    let file: File = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
+    let mut rules: Vec<RawRule> = file
+        .overrides
+        .into_iter()
+        .enumerate()
+        .map(|(i, rule)| rule.into_raw(Some(i)))
+        .collect();
+    if let Some(default) = file.default {
+        rules.push(default.into_raw(None));
+    }
+    Ok(rules)
+}

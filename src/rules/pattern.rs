@@ -1,0 +1,105 @@
+//! One value of a rule's operation: `*` (anything, even absent), a glob with
+//! `*` wildcards anchored at the start of the value only, or an exact string.
+
+/// How a rule's value matches a request's value (SPEC §3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pattern {
+    /// `*`: matches any value, including a missing key.
+    Any,
+    /// A value containing `*` elsewhere: the literal pieces between the stars.
+    /// The first piece must start the value; the rest must follow in order.
+    Glob { pieces: Vec<String>, source: String },
+    /// Any other value: equality, case-sensitive.
+    Exact(String),
+}
+
+impl Pattern {
+    pub fn new(value: &str) -> Pattern {
+        if value == "*" {
+            Pattern::Any
+        } else if value.contains('*') {
+            Pattern::Glob {
+                pieces: value.split('*').map(str::to_owned).collect(),
+                source: value.to_owned(),
+            }
+        } else {
+            Pattern::Exact(value.to_owned())
+        }
+    }
+
+    /// The value as written in the rule file.
+    pub fn source(&self) -> &str {
+        match self {
+            Pattern::Any => "*",
+            Pattern::Glob { source, .. } => source,
+            Pattern::Exact(value) => value,
+        }
+    }
+
+    /// Does this pattern accept the request's value (`None`: key absent)?
+    pub fn matches(&self, value: Option<&str>) -> bool {
+        match (self, value) {
+            (Pattern::Any, _) => true,
+            (_, None) => false,
+            (Pattern::Exact(expected), Some(value)) => expected == value,
+            (Pattern::Glob { pieces, .. }, Some(value)) => glob_matches(pieces, value),
+        }
+    }
+}
+
+/// Start-anchored glob: leftmost matching of each piece in turn is optimal
+/// because nothing anchors the end.
+fn glob_matches(pieces: &[String], value: &str) -> bool {
+    let Some((first, rest)) = pieces.split_first() else {
+        return true;
+    };
+    let Some(mut remaining) = value.strip_prefix(first.as_str()) else {
+        return false;
+    };
+    for piece in rest {
+        match remaining.find(piece.as_str()) {
+            Some(at) => remaining = &remaining[at + piece.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(pattern: &str, value: Option<&str>) -> bool {
+        Pattern::new(pattern).matches(value)
+    }
+
+    #[test]
+    fn star_matches_anything_even_absent() {
+        assert!(m("*", Some("x")));
+        assert!(m("*", Some("")));
+        assert!(m("*", None));
+    }
+
+    #[test]
+    fn globs_are_start_anchored_only() {
+        assert!(m("/pantry/*", Some("/pantry/cookiesXYZ")));
+        assert!(m("/pantry/*", Some("/pantry/")));
+        assert!(!m("/pantry/*", Some("/pan")));
+        assert!(!m("/pantry/*", Some("x/pantry/a")));
+        assert!(m("/resource/*/first", Some("/resource/a/first-and-more")));
+        assert!(m("/resource/*/first", Some("/resource/a/b/first")));
+        assert!(!m("/resource/*/first", Some("/resource/a/second")));
+        assert!(m("a**b", Some("axxb")));
+        assert!(m("*x", Some("abcx")));
+        assert!(!m("/pantry/*", None), "a glob never matches a missing key");
+    }
+
+    #[test]
+    fn other_characters_are_literal() {
+        assert!(m("a?.[*", Some("a?.[z")));
+        assert!(!m("a?.[*", Some("ab.[z")));
+        assert!(m("GET", Some("GET")));
+        assert!(!m("GET", Some("get")));
+        assert!(!m("GET", None));
+    }
+}

@@ -1,0 +1,205 @@
+//! One client connection of the line protocol: frames lines out of a read
+//! buffer, executes them through the [`Engine`], and writes the replies in
+//! request order, many per write. Replies that must wait (network backends)
+//! queue behind each other; at most `pipeline_max` requests are in flight
+//! before the connection stops reading (backpressure, not buffering).
+
+use super::Limits;
+use crate::engine::{Engine, Outcome, Reply};
+use crate::protocol::split_line;
+use futures_util::future::{BoxFuture, FutureExt};
+use futures_util::stream::{FuturesOrdered, StreamExt};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+/// Bytes asked of the kernel per read.
+const READ_CHUNK_BYTES: usize = 16 * 1024;
+
+/// Why a connection ended, for tests and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// The client closed its side.
+    ClientClosed,
+    /// An `ERR` was written (bad line, limit exceeded, backend failure).
+    AfterError,
+    /// The server is shutting down; everything read was answered.
+    Shutdown,
+    /// The socket failed (reset, broken pipe).
+    Io,
+    /// The client sent nothing for `idle_timeout_ms`.
+    Idle,
+}
+
+struct Connection {
+    stream: TcpStream,
+    engine: Arc<Engine>,
+    limits: Limits,
+    input: Vec<u8>,
+    /// Start of unconsumed bytes in `input`.
+    consumed: usize,
+    output: Vec<u8>,
+    pending: FuturesOrdered<BoxFuture<'static, Reply>>,
+    /// An `ERR` was produced: stop executing, flush, close.
+    closing: bool,
+    /// No more input will be read (shutdown or EOF); finish what was read.
+    input_done: bool,
+}
+
+pub async fn serve(
+    stream: TcpStream,
+    engine: Arc<Engine>,
+    limits: Limits,
+    shutdown: watch::Receiver<bool>,
+) -> Ended {
+    let _ = stream.set_nodelay(true);
+    engine.metrics.connection_opened();
+    let mut connection = Connection {
+        stream,
+        engine: Arc::clone(&engine),
+        limits,
+        input: Vec::with_capacity(READ_CHUNK_BYTES),
+        consumed: 0,
+        output: Vec::with_capacity(READ_CHUNK_BYTES),
+        pending: FuturesOrdered::new(),
+        closing: false,
+        input_done: false,
+    };
+    let ended = connection.run(shutdown).await;
+    engine.metrics.connection_closed();
+    ended
+}
+
+impl Connection {
+    async fn run(&mut self, mut shutdown: watch::Receiver<bool>) -> Ended {
+        let mut ended_by = Ended::ClientClosed;
+        if *shutdown.borrow() {
+            return Ended::Shutdown;
+        }
+        loop {
+            self.execute_buffered_lines();
+            if !self.output.is_empty() && self.flush().await.is_err() {
+                return Ended::Io;
+            }
+            if self.closing && self.pending.is_empty() {
+                return Ended::AfterError;
+            }
+            if self.input_done && self.pending.is_empty() {
+                // Partial lines left at EOF or shutdown are never answered.
+                return ended_by;
+            }
+            let can_read =
+                !self.input_done && !self.closing && self.pending.len() < self.limits.pipeline_max;
+            let idle = async {
+                match self.limits.idle_timeout_ms {
+                    0 => std::future::pending().await,
+                    ms => tokio::time::sleep(Duration::from_millis(ms)).await,
+                }
+            };
+            tokio::select! {
+                biased;
+                Some(reply) = self.pending.next(), if !self.pending.is_empty() => {
+                    self.push_reply(reply);
+                    // Collect every other reply that is already done, to answer them in one write.
+                    while let Some(Some(reply)) = self.pending.next().now_or_never() {
+                        self.push_reply(reply);
+                    }
+                }
+                read = read_more(&mut self.stream, &mut self.input, &mut self.consumed), if can_read => {
+                    match read {
+                        Ok(0) => self.input_done = true,
+                        Ok(_) => {}
+                        Err(_) => return Ended::Io,
+                    }
+                }
+                _ = shutdown.changed(), if !self.input_done => {
+                    self.input_done = true;
+                    ended_by = Ended::Shutdown;
+                }
+                _ = idle, if can_read && self.pending.is_empty() => {
+                    return Ended::Idle;
+                }
+            }
+        }
+    }
+
+    /// Executes every complete line in the buffer, unless the pipeline is full
+    /// or an error ended the conversation.
+    fn execute_buffered_lines(&mut self) {
+        while !self.closing && self.pending.len() < self.limits.pipeline_max {
+            let unread = &self.input[self.consumed..];
+            let Some((line, used)) = split_line(unread) else {
+                if unread.len() > self.limits.line_bytes_max {
+                    self.fail_line_too_long();
+                }
+                break;
+            };
+            if line.len() > self.limits.line_bytes_max {
+                self.fail_line_too_long();
+                break;
+            }
+            let outcome = self.engine.execute(line);
+            self.consumed += used;
+            match outcome {
+                Outcome::Now(reply) => self.queue_reply(reply),
+                Outcome::Later(future) => self.pending.push_back(future),
+            }
+        }
+        if self.consumed == self.input.len() {
+            self.input.clear();
+            self.consumed = 0;
+        }
+    }
+
+    fn fail_line_too_long(&mut self) {
+        self.engine
+            .metrics
+            .error(crate::protocol::ErrorCode::Unknown);
+        self.queue_reply(Reply::error("line too long"));
+    }
+
+    /// Answers now when nothing is waiting ahead of this reply, else queues it.
+    /// An error stops execution at once: no line after it runs.
+    fn queue_reply(&mut self, reply: Reply) {
+        if reply.closes_connection() {
+            self.closing = true;
+        }
+        if self.pending.is_empty() {
+            self.push_reply(reply);
+        } else {
+            self.pending.push_back(Box::pin(std::future::ready(reply)));
+        }
+    }
+
+    fn push_reply(&mut self, reply: Reply) {
+        reply.encode(&mut self.output);
+        if reply.closes_connection() {
+            self.closing = true;
+            // Replies queued after an error (from a backend failure) are dropped:
+            // the connection closes after the first ERR.
+            self.pending = FuturesOrdered::new();
+        }
+    }
+
+    async fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.write_all(&self.output).await?;
+        self.output.clear();
+        Ok(())
+    }
+}
+
+/// Reads more bytes into `input`, compacting consumed bytes first.
+async fn read_more(
+    stream: &mut TcpStream,
+    input: &mut Vec<u8>,
+    consumed: &mut usize,
+) -> std::io::Result<usize> {
+    if *consumed > 0 {
+        input.drain(..*consumed);
+        *consumed = 0;
+    }
+    input.reserve(READ_CHUNK_BYTES);
+    stream.read_buf(input).await
+}

@@ -1,0 +1,105 @@
+//! Counter storage behind one trait, so the request path does not care where
+//! counters live: the in-memory striped store (default), Redis (divvy's
+//! layout), or a cluster's replicated shards. A backend answers synchronously
+//! when it can and with a future when it must wait (network).
+
+pub mod memory;
+
+use crate::limiter::{fixed_window_hit, Decision, WindowQuota};
+use crate::rules::Rule;
+use futures_util::future::BoxFuture;
+use smallvec::SmallVec;
+use std::sync::Arc;
+
+pub use memory::{MemoryStore, MemoryStoreConfig, StoreFull};
+
+/// One rule's counter, asked about by one request.
+#[derive(Debug, Clone, Copy)]
+pub struct CounterOp<'a> {
+    pub rule: &'a Rule,
+    pub actor: &'a str,
+    pub quota: WindowQuota,
+    /// Answer what a hit would get, changing nothing (`PEEK`).
+    pub peek: bool,
+}
+
+/// Why a counter could not be decided. Shown to clients as
+/// `ERR unknown "<reason>"` unless the unavailability policy says otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    #[error("{0}")]
+    Full(#[from] StoreFull),
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    #[error("backend timed out after {0} ms")]
+    Timeout(u64),
+}
+
+/// Decisions for a list of ops, in order.
+pub type Decisions = SmallVec<[Result<Decision, BackendError>; 2]>;
+
+/// What a backend returns: decisions now, or a future of them.
+pub enum Decided {
+    Ready(Decisions),
+    Later(BoxFuture<'static, Decisions>),
+}
+
+pub trait Backend: Send + Sync + 'static {
+    /// Decides every op in order. Ops of one request are applied in order, so
+    /// a canary rule and the deciding rule sharing a counter see each other.
+    fn decide(&self, ops: &[CounterOp<'_>], now_ms: u64) -> Decided;
+
+    /// A short name for logs and metrics ("memory", "redis", "cluster").
+    fn name(&self) -> &'static str;
+}
+
+/// The in-memory backend: counters in a [`MemoryStore`], decided inline.
+pub struct MemoryBackend {
+    pub store: Arc<MemoryStore>,
+}
+
+/// The store key of a counter: the rule's counter identity, then the actor.
+pub fn memory_key(buf: &mut Vec<u8>, op: &CounterOp<'_>) {
+    buf.clear();
+    buf.extend_from_slice(&op.rule.counter_identity.to_le_bytes());
+    buf.extend_from_slice(op.actor.as_bytes());
+}
+
+impl MemoryBackend {
+    pub fn decide_one(
+        &self,
+        key_buf: &mut Vec<u8>,
+        op: &CounterOp<'_>,
+        now_ms: u64,
+    ) -> Result<Decision, BackendError> {
+        memory_key(key_buf, op);
+        if op.peek {
+            let state = self.store.get(key_buf, now_ms);
+            return Ok(fixed_window_hit(state, op.quota, now_ms).0);
+        }
+        Ok(self.store.update(key_buf, now_ms, |state| {
+            fixed_window_hit(state, op.quota, now_ms)
+        })?)
+    }
+}
+
+thread_local! {
+    static KEY_BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(128));
+}
+
+impl Backend for MemoryBackend {
+    fn decide(&self, ops: &[CounterOp<'_>], now_ms: u64) -> Decided {
+        KEY_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            Decided::Ready(
+                ops.iter()
+                    .map(|op| self.decide_one(&mut buf, op, now_ms))
+                    .collect(),
+            )
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+}
