@@ -7,6 +7,7 @@
 //! backend) with [`limiter`] (pure algorithms) → [`engine`] (the reply) →
 //! [`server`] (sockets, threads, shutdown). Binaries are thin wrappers.
 
+pub mod app;
 pub mod client;
 pub mod clock;
 pub mod engine;
