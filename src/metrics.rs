@@ -6,7 +6,7 @@
 use crate::protocol::ErrorCode;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,6 +74,11 @@ pub struct Metrics {
     /// Counts per bucket of [`HIT_DURATION_BUCKETS_SECONDS`], plus one for +Inf.
     hit_duration_buckets: [AtomicU64; 7],
     hit_duration_sum_ns: AtomicU64,
+    /// Requests a backend (Redis) could not decide: errors and timeouts.
+    backend_errors: AtomicU64,
+    /// Set while the backend is known to be unreachable (false by default, so
+    /// backends that cannot fail read as healthy).
+    backend_unavailable: AtomicBool,
 }
 
 impl Metrics {
@@ -151,5 +156,23 @@ impl Metrics {
 
     pub fn connections_refused(&self) -> u64 {
         self.connections_refused.load(Ordering::Relaxed)
+    }
+
+    /// A backend request failed or timed out.
+    pub fn backend_error(&self) {
+        self.backend_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn backend_errors(&self) -> u64 {
+        self.backend_errors.load(Ordering::Relaxed)
+    }
+
+    /// The backend's health as its client sees it (Redis connected or not).
+    pub fn set_backend_healthy(&self, healthy: bool) {
+        self.backend_unavailable.store(!healthy, Ordering::Relaxed);
+    }
+
+    pub fn backend_healthy(&self) -> bool {
+        !self.backend_unavailable.load(Ordering::Relaxed)
     }
 }
