@@ -4,6 +4,7 @@
 //! when it can and with a future when it must wait (network).
 
 pub mod memory;
+pub mod redis;
 
 use crate::limiter::{fixed_window_hit, Decision, WindowQuota};
 use crate::rules::Rule;
