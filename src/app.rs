@@ -7,7 +7,8 @@ use crate::engine::{Engine, UnavailablePolicy};
 use crate::metrics::Metrics;
 use crate::rules::RuleSet;
 use crate::server::{Limits, Server, ServerConfig};
-use crate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
+use crate::store::redis::{BackendKind, Persistence, RedisArgs, RedisBackend};
+use crate::store::{Backend, MemoryBackend, MemoryStore, MemoryStoreConfig};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use std::net::SocketAddr;
@@ -84,6 +85,9 @@ pub struct ServeArgs {
     /// Log format on stderr (filter with RUST_LOG; DEBUG=divvy logs each rule).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub redis: RedisArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
@@ -129,13 +133,29 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let metrics = Metrics::new();
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
+    let persist_config = args.redis.persist_config()?;
+    let backend: Arc<dyn Backend> = match args.redis.backend {
+        BackendKind::Memory => Arc::new(MemoryBackend {
+            store: Arc::clone(&store),
+        }),
+        BackendKind::Redis => Arc::new(RedisBackend::start(
+            &args.redis,
+            &rules,
+            Arc::clone(&metrics),
+        )?),
+    };
+    let backend_name = backend.name();
     let engine = Arc::new(Engine::new(
         rules,
-        Arc::new(MemoryBackend { store }),
+        backend,
         clock,
         metrics,
         args.unavailable_policy,
     ));
+    // Loads the persisted counters before serving.
+    let persistence = persist_config
+        .map(|config| Persistence::start(config, Arc::clone(&store), Arc::clone(&engine)))
+        .transpose()?;
     let config = ServerConfig {
         listen,
         threads,
@@ -152,7 +172,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let local_addr = server.local_addr();
     let running = server.spawn().context("cannot start serving threads")?;
     println!(
-        "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: memory, threads: {threads}"
+        "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: {backend_name}, threads: {threads}"
     );
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
@@ -160,6 +180,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     wait_for_signal()?;
     tracing::info!("shutting down: draining connections");
     running.stop();
+    if let Some(persistence) = persistence {
+        match persistence.stop_and_flush() {
+            Ok(written) => tracing::info!(written, "persisted every counter"),
+            Err(error) => tracing::warn!(%error, "the last persistence pass failed"),
+        }
+    }
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }
