@@ -83,9 +83,15 @@ struct LiveConnection {
     connection: MultiplexedConnection,
 }
 
+/// Numbers threads in the order they first use a client (see [`RedisClient::lease`]).
+static NEXT_THREAD_AFFINITY: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static THREAD_AFFINITY: std::cell::OnceCell<usize> = const { std::cell::OnceCell::new() };
+}
+
 struct Shared {
     slots: Box<[ArcSwapOption<LiveConnection>]>,
-    next_slot: AtomicUsize,
     next_generation: AtomicU64,
     /// Wakes the supervisor when a connection failed.
     wake: Notify,
@@ -132,7 +138,6 @@ impl RedisClient {
         let connections = config.connections.max(1);
         let shared = Arc::new(Shared {
             slots: (0..connections).map(|_| ArcSwapOption::empty()).collect(),
-            next_slot: AtomicUsize::new(0),
             next_generation: AtomicU64::new(1),
             wake: Notify::new(),
             target: describe_target(&config.connection_info),
@@ -197,14 +202,19 @@ impl RedisClient {
         self.shared().slots.iter().all(|slot| slot.load().is_some())
     }
 
-    /// Lends a live connection, spreading requests over the connections in
-    /// turn; `None` when none is up.
+    /// Lends a live connection; `None` when none is up. Each thread has its
+    /// own preferred connection, so the requests of one client connection
+    /// (which lives on one serving thread) reach Redis in the order they
+    /// were made, while the threads spread over the connections. When the
+    /// preferred one is down, another takes over.
     pub fn lease(&self) -> Option<Lease> {
         let shared = self.shared();
         let count = shared.slots.len();
-        let start = shared.next_slot.fetch_add(1, Ordering::Relaxed);
+        let preferred = THREAD_AFFINITY.with(|affinity| {
+            *affinity.get_or_init(|| NEXT_THREAD_AFFINITY.fetch_add(1, Ordering::Relaxed))
+        });
         (0..count).find_map(|offset| {
-            let slot = (start + offset) % count;
+            let slot = (preferred + offset) % count;
             let live = shared.slots[slot].load();
             live.as_ref().map(|live| Lease {
                 slot,
@@ -217,7 +227,12 @@ impl RedisClient {
     /// Sends one command on a leased connection. A failure of the connection
     /// itself takes it out of service and wakes the supervisor.
     pub async fn send(&self, lease: &mut Lease, command: &Cmd) -> Result<Value, RequestError> {
-        let result = lease.connection.send_packed_command(command).await;
+        // Server errors (NOSCRIPT, script errors) arrive as values: make them errors.
+        let result = lease
+            .connection
+            .send_packed_command(command)
+            .await
+            .and_then(Value::extract_error);
         self.check(lease, result)
     }
 
