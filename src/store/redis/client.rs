@@ -1,20 +1,21 @@
-//! A shared, self-healing Redis client. It owns a few multiplexed Redis
-//! connections on one dedicated thread (their I/O drivers run on that
-//! thread's runtime), and hands out cheap leases to them, so that requests
-//! from every client connection on every serving thread are pipelined onto
-//! the same few sockets. A supervisor task on the same thread connects,
-//! loads the scripts, pings each connection, reconnects with exponential
-//! backoff, and reports health: one log line when Redis is lost, one when it
-//! is back, and the backend-health metric. Requests never wait for a
-//! connection: while none is up they fail at once, and callers bound the
-//! wait for an answer themselves.
+//! A self-healing Redis client. A client owns a few multiplexed Redis
+//! connections and a supervisor task that connects, loads the scripts, pings
+//! each connection, reconnects with exponential backoff, and reports health
+//! to a [`HealthBoard`] shared by every client of one backend: one log line
+//! when Redis is lost, one when it is back, and the backend-health metric.
+//! A client runs either on a thread of its own ([`RedisClient::start`]) or on
+//! the runtime of the thread that uses it ([`RedisClient::start_here`]): a
+//! serving thread that owns its connection pipelines its requests onto it
+//! with no cross-thread wakeup. Requests never wait for a reconnection: while
+//! no connection is up they fail at once, and callers bound the wait for an
+//! answer themselves.
 
 use crate::metrics::Metrics;
 use arc_swap::ArcSwapOption;
 use futures_util::future::join_all;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, RedisError, Value};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify};
@@ -38,12 +39,98 @@ pub struct ClientConfig {
     pub connect_timeout_ms: u64,
     /// Longest a health-check `PING` may take before the connection is replaced.
     pub ping_timeout_ms: u64,
-    /// Who this client is, in log lines ("redis backend", "redis persistence").
-    pub role: &'static str,
     /// Scripts loaded (`SCRIPT LOAD`) on every new connection.
     pub scripts: Vec<&'static str>,
-    /// Where health is reported, if anywhere.
-    pub health_metrics: Option<Arc<Metrics>>,
+    /// Where health is reported (and who this client is, in log lines).
+    pub health: Arc<HealthBoard>,
+}
+
+/// The health of every client of one backend (or of persistence): healthy
+/// while every client has all its connections up. Logs each change once
+/// and sets the backend-health metric, if given one.
+pub struct HealthBoard {
+    /// Who reports, in log lines ("redis backend", "redis persistence").
+    role: &'static str,
+    target: String,
+    metrics: Option<Arc<Metrics>>,
+    state: parking_lot::Mutex<BoardState>,
+}
+
+#[derive(Default)]
+struct BoardState {
+    /// Clients that reported themselves unhealthy (or not yet connected).
+    unhealthy_clients: usize,
+    healthy: Option<bool>,
+    down_since: Option<Instant>,
+}
+
+impl HealthBoard {
+    pub fn new(
+        role: &'static str,
+        info: &ConnectionInfo,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Arc<Self> {
+        if let Some(metrics) = &metrics {
+            metrics.set_backend_healthy(false);
+        }
+        Arc::new(HealthBoard {
+            role,
+            target: describe_target(info),
+            metrics,
+            state: parking_lot::Mutex::new(BoardState {
+                down_since: Some(Instant::now()),
+                ..BoardState::default()
+            }),
+        })
+    }
+
+    /// A client joined: it counts as unhealthy until it reports otherwise.
+    fn join(&self) {
+        self.state.lock().unhealthy_clients += 1;
+    }
+
+    /// A client's health changed from `previous` (`None`: its first report;
+    /// it joined as unhealthy) to `healthy`; `reason`: why it is down.
+    fn report(&self, previous: Option<bool>, healthy: bool, reason: &str) {
+        let mut state = self.state.lock();
+        let was_healthy = previous == Some(true);
+        if healthy && !was_healthy {
+            state.unhealthy_clients = state.unhealthy_clients.saturating_sub(1);
+        } else if !healthy && was_healthy {
+            state.unhealthy_clients += 1;
+        }
+        self.publish(&mut state, reason);
+    }
+
+    /// A client stopped: it no longer counts either way.
+    fn leave(&self, was_healthy: bool) {
+        let mut state = self.state.lock();
+        if !was_healthy {
+            state.unhealthy_clients = state.unhealthy_clients.saturating_sub(1);
+        }
+    }
+
+    fn publish(&self, state: &mut BoardState, reason: &str) {
+        let healthy = state.unhealthy_clients == 0;
+        if state.healthy == Some(healthy) {
+            return;
+        }
+        state.healthy = Some(healthy);
+        if let Some(metrics) = &self.metrics {
+            metrics.set_backend_healthy(healthy);
+        }
+        let (role, target) = (self.role, &self.target);
+        if healthy {
+            let down_ms = state
+                .down_since
+                .take()
+                .map_or(0, |since| since.elapsed().as_millis());
+            tracing::info!(role, %target, down_ms, "redis connected");
+        } else {
+            state.down_since = Some(Instant::now());
+            tracing::warn!(role, %target, %reason, "redis unavailable; reconnecting with backoff");
+        }
+    }
 }
 
 /// Why the client could not be started.
@@ -51,6 +138,8 @@ pub struct ClientConfig {
 pub enum ClientStartError {
     #[error("invalid redis target: {0}")]
     InvalidTarget(RedisError),
+    #[error("a client started here needs a tokio runtime on this thread")]
+    NoRuntime,
     #[error("cannot start the {role} thread: {source}")]
     Thread {
         role: &'static str,
@@ -97,6 +186,8 @@ struct Shared {
     wake: Notify,
     /// The target without credentials, for messages.
     target: String,
+    /// Set once the first connection attempt has finished.
+    first_round_done: AtomicBool,
 }
 
 /// Stops the supervisor (and so every connection) when the last clone of the
@@ -130,54 +221,77 @@ pub struct Lease {
 }
 
 impl RedisClient {
-    /// Starts the client thread and waits (at most a few seconds) for the
-    /// first connection attempt, so that the start-up log says whether Redis
-    /// is reachable. An unreachable Redis is not an error: requests fail until
-    /// it is reachable, and the client keeps trying.
+    /// Starts the client on a thread of its own and waits (at most a few
+    /// seconds) for the first connection attempt, so that the start-up log
+    /// says whether Redis is reachable. An unreachable Redis is not an error:
+    /// requests fail until it is reachable, and the client keeps trying.
     pub fn start(config: ClientConfig) -> Result<RedisClient, ClientStartError> {
+        let role = config.health.role;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| ClientStartError::Thread { role, source })?;
+        let (client, supervisor, stop) = Self::prepare(config, runtime.handle().clone())?;
+        std::thread::Builder::new()
+            .name(format!("tollgate-{}", role.replace(' ', "-")))
+            .spawn(move || runtime.block_on(supervisor.run(stop)))
+            .map_err(|source| ClientStartError::Thread { role, source })?;
+        let deadline = Instant::now() + Duration::from_millis(FIRST_CONNECT_WAIT_MS);
+        while !client.first_round_done() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(client)
+    }
+
+    /// Starts the client on the runtime of the calling thread (which must be
+    /// inside one), without waiting for the first connection.
+    /// The client stops with that runtime, or when its last clone is dropped.
+    pub fn start_here(config: ClientConfig) -> Result<RedisClient, ClientStartError> {
+        let handle =
+            tokio::runtime::Handle::try_current().map_err(|_| ClientStartError::NoRuntime)?;
+        let (client, supervisor, stop) = Self::prepare(config, handle.clone())?;
+        handle.spawn(supervisor.run(stop));
+        Ok(client)
+    }
+
+    fn prepare(
+        config: ClientConfig,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<(RedisClient, Supervisor, oneshot::Receiver<()>), ClientStartError> {
         let connections = config.connections.max(1);
         let shared = Arc::new(Shared {
             slots: (0..connections).map(|_| ArcSwapOption::empty()).collect(),
             next_generation: AtomicU64::new(1),
             wake: Notify::new(),
             target: describe_target(&config.connection_info),
+            first_round_done: AtomicBool::new(false),
         });
         let (stop_sender, stop_receiver) = oneshot::channel();
-        let (first_round_sender, first_round_receiver) = std::sync::mpsc::channel();
-        let role = config.role;
-        if let Some(metrics) = &config.health_metrics {
-            metrics.set_backend_healthy(false);
-        }
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|source| ClientStartError::Thread { role, source })?;
-        let runtime_handle = runtime.handle().clone();
+        config.health.join();
         let supervisor = Supervisor {
             shared: Arc::clone(&shared),
             client: redis::Client::open(config.connection_info.clone())
                 .map_err(ClientStartError::InvalidTarget)?,
             config,
             healthy: None,
-            down_since: Some(Instant::now()),
             last_failure: String::from("not connected yet"),
             backoff_ms: RECONNECT_BACKOFF_MIN_MS,
             next_connect_at: Instant::now(),
             next_check_at: Instant::now() + Duration::from_millis(HEALTH_CHECK_INTERVAL_MS),
-            first_round: Some(first_round_sender),
         };
-        std::thread::Builder::new()
-            .name(format!("tollgate-{}", role.replace(' ', "-")))
-            .spawn(move || supervisor.run(runtime, stop_receiver))
-            .map_err(|source| ClientStartError::Thread { role, source })?;
-        let _ = first_round_receiver.recv_timeout(Duration::from_millis(FIRST_CONNECT_WAIT_MS));
-        Ok(RedisClient {
+        let client = RedisClient {
             owner: Arc::new(Owner {
                 shared,
-                runtime: runtime_handle,
+                runtime,
                 stop: parking_lot::Mutex::new(Some(stop_sender)),
             }),
-        })
+        };
+        Ok((client, supervisor, stop_receiver))
+    }
+
+    /// Has the first connection attempt finished (whatever its outcome)?
+    pub fn first_round_done(&self) -> bool {
+        self.shared().first_round_done.load(Ordering::Acquire)
     }
 
     /// Runs a task on the client's thread (it ends when the client does).
@@ -195,11 +309,6 @@ impl RedisClient {
     /// Where this client connects, without credentials.
     pub fn target(&self) -> &str {
         &self.shared().target
-    }
-
-    /// Is every connection up?
-    pub fn all_connected(&self) -> bool {
-        self.shared().slots.iter().all(|slot| slot.load().is_some())
     }
 
     /// Lends a live connection; `None` when none is up. Each thread has its
@@ -303,36 +412,37 @@ pub fn describe_target(info: &ConnectionInfo) -> String {
     }
 }
 
-/// Owns the connections: runs on the client thread.
+/// Owns the connections: runs on the client's runtime.
 struct Supervisor {
     shared: Arc<Shared>,
     client: redis::Client,
     config: ClientConfig,
-    /// `None` until the first round, so that the first state is logged too.
+    /// What this client last reported to the health board.
     healthy: Option<bool>,
-    down_since: Option<Instant>,
     last_failure: String,
     backoff_ms: u64,
     next_connect_at: Instant,
     next_check_at: Instant,
-    first_round: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.config.health.leave(self.healthy == Some(true));
+    }
 }
 
 impl Supervisor {
-    fn run(mut self, runtime: tokio::runtime::Runtime, stop: oneshot::Receiver<()>) {
-        runtime.block_on(async move {
-            let mut stop = stop;
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = &mut stop => break,
-                    _ = self.step() => {}
-                }
+    async fn run(mut self, mut stop: oneshot::Receiver<()>) {
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut stop => break,
+                _ = self.step() => {}
             }
-            for slot in self.shared.slots.iter() {
-                slot.store(None);
-            }
-        });
+        }
+        for slot in self.shared.slots.iter() {
+            slot.store(None);
+        }
     }
 
     /// One round: reconnect what is down (when the backoff allows), ping what
@@ -351,9 +461,7 @@ impl Supervisor {
             self.next_check_at = Instant::now() + Duration::from_millis(HEALTH_CHECK_INTERVAL_MS);
         }
         self.report_health();
-        if let Some(first_round) = self.first_round.take() {
-            let _ = first_round.send(());
-        }
+        self.shared.first_round_done.store(true, Ordering::Release);
         let all_up = self.shared.slots.iter().all(|slot| slot.load().is_some());
         let wake_at = if all_up {
             self.next_check_at
@@ -415,7 +523,7 @@ impl Supervisor {
                     if breaks_connection(&error) {
                         return Err(error.to_string());
                     }
-                    tracing::debug!(role = self.config.role, %error, "SCRIPT LOAD refused");
+                    tracing::debug!(role = self.config.health.role, %error, "SCRIPT LOAD refused");
                 }
             }
             Ok(connection)
@@ -468,32 +576,15 @@ impl Supervisor {
         }
     }
 
-    /// Healthy means every connection is up. Logs each change once.
+    /// Healthy means every connection is up; the board logs changes.
     fn report_health(&mut self) {
         let healthy = self.shared.slots.iter().all(|slot| slot.load().is_some());
         if self.healthy == Some(healthy) {
             return;
         }
-        self.healthy = Some(healthy);
-        if let Some(metrics) = &self.config.health_metrics {
-            metrics.set_backend_healthy(healthy);
-        }
-        let role = self.config.role;
-        let target = &self.shared.target;
-        if healthy {
-            let down_ms = self
-                .down_since
-                .take()
-                .map_or(0, |since| since.elapsed().as_millis());
-            tracing::info!(role, %target, down_ms, "redis connected");
-        } else {
-            self.down_since = Some(Instant::now());
-            tracing::warn!(
-                role,
-                %target,
-                reason = %self.last_failure,
-                "redis unavailable; reconnecting with backoff"
-            );
-        }
+        let previous = self.healthy.replace(healthy);
+        self.config
+            .health
+            .report(previous, healthy, &self.last_failure);
     }
 }

@@ -18,7 +18,7 @@ pub mod script;
 use crate::metrics::Metrics;
 use crate::rules::{Algorithm, RuleSet};
 use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
-use client::{ClientConfig, ClientStartError, RedisClient};
+use client::{ClientConfig, ClientStartError, HealthBoard, RedisClient};
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
 use script::{LoadedScript, ScriptCall, ScriptError, HIT_SCRIPT, PEEK_SCRIPT};
 use std::sync::Arc;
@@ -57,11 +57,6 @@ pub struct RedisArgs {
     /// REDIS_HOST and REDIS_PORT.
     #[arg(long, value_name = "URL")]
     pub redis_url: Option<String>,
-
-    /// Connections to Redis shared by all client connections; requests are
-    /// multiplexed and pipelined onto them.
-    #[arg(long, default_value_t = 2)]
-    pub redis_connections: usize,
 
     /// Longest a hit waits for its backend (Redis) before it is answered
     /// `ERR` or by --unavailable-policy, in milliseconds.
@@ -160,12 +155,31 @@ fn check_algorithm(algorithm: Algorithm) -> Result<(), &'static str> {
 }
 
 /// Counters in Redis, in divvy's layout.
+///
+/// Each serving thread opens its own Redis connection on first use, on its
+/// own runtime, and pipelines the requests of all its client connections
+/// onto it: no request crosses threads, and those of one client connection
+/// reach Redis in order. A probe connection on a thread of its own checks
+/// Redis at start (so the start-up log says whether it is reachable) and
+/// stands in while a thread's own connection is not up (first use,
+/// reconnection) or for callers without a runtime.
 pub struct RedisBackend {
-    client: RedisClient,
+    /// Tells the serving threads' clients apart from other backends' in
+    /// [`THREAD_CLIENTS`]; they stop once it is gone.
+    alive: Arc<()>,
+    probe_client: RedisClient,
+    thread_client_config: ClientConfig,
     hit_script: Arc<LoadedScript>,
     peek_script: Arc<LoadedScript>,
     backend_timeout_ms: u64,
     metrics: Arc<Metrics>,
+}
+
+thread_local! {
+    /// The Redis clients this thread started for itself, with the backend
+    /// each belongs to.
+    static THREAD_CLIENTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, RedisClient)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl RedisBackend {
@@ -177,17 +191,23 @@ impl RedisBackend {
         metrics: Arc<Metrics>,
     ) -> Result<RedisBackend, RedisSetupError> {
         check_rules(rules)?;
+        let connection_info = args.backend_connection_info()?;
         let config = ClientConfig {
-            connection_info: args.backend_connection_info()?,
-            connections: args.redis_connections.max(1),
+            health: HealthBoard::new(
+                "redis backend",
+                &connection_info,
+                Some(Arc::clone(&metrics)),
+            ),
+            connection_info,
+            connections: 1,
             connect_timeout_ms: args.backend_timeout_ms.max(1_000),
             ping_timeout_ms: args.backend_timeout_ms.max(500),
-            role: "redis backend",
             scripts: vec![HIT_SCRIPT, PEEK_SCRIPT],
-            health_metrics: Some(Arc::clone(&metrics)),
         };
         Ok(RedisBackend {
-            client: RedisClient::start(config)?,
+            alive: Arc::new(()),
+            probe_client: RedisClient::start(config.clone())?,
+            thread_client_config: config,
             hit_script: Arc::new(LoadedScript::new(HIT_SCRIPT)),
             peek_script: Arc::new(LoadedScript::new(PEEK_SCRIPT)),
             backend_timeout_ms: args.backend_timeout_ms.max(1),
@@ -195,14 +215,32 @@ impl RedisBackend {
         })
     }
 
-    /// Where the backend connects, without credentials.
-    pub fn target(&self) -> &str {
-        self.client.target()
+    /// This thread's own client, started on its runtime on first use (the
+    /// probe client when the thread has no runtime).
+    fn thread_client(&self) -> RedisClient {
+        THREAD_CLIENTS.with(|clients| {
+            let mut clients = clients.borrow_mut();
+            if let Some((_, client)) = clients
+                .iter()
+                .find(|(backend, _)| std::ptr::eq(backend.as_ptr(), Arc::as_ptr(&self.alive)))
+            {
+                return client.clone();
+            }
+            // Clients of backends that are gone stop when dropped here.
+            clients.retain(|(backend, _)| backend.strong_count() > 0);
+            match RedisClient::start_here(self.thread_client_config.clone()) {
+                Ok(client) => {
+                    clients.push((Arc::downgrade(&self.alive), client.clone()));
+                    client
+                }
+                Err(_) => self.probe_client.clone(),
+            }
+        })
     }
 
-    /// Is every Redis connection up?
-    pub fn connected(&self) -> bool {
-        self.client.all_connected()
+    /// Where the backend connects, without credentials.
+    pub fn target(&self) -> &str {
+        self.probe_client.target()
     }
 
     fn fail(&self, count: usize, error: BackendError) -> Decisions {
@@ -237,8 +275,18 @@ impl Backend for RedisBackend {
                 BackendError::Unavailable(format!("the redis backend cannot count {algorithm}")),
             ));
         }
-        let Some(mut lease) = self.client.lease() else {
-            let error = self.client.not_connected().to_string();
+        // This thread's own connection; while it is not up (first use,
+        // reconnecting), the probe connection stands in.
+        let thread_client = self.thread_client();
+        let leased = match thread_client.lease() {
+            Some(lease) => Some((thread_client.clone(), lease)),
+            None => self
+                .probe_client
+                .lease()
+                .map(|lease| (self.probe_client.clone(), lease)),
+        };
+        let Some((client, mut lease)) = leased else {
+            let error = thread_client.not_connected().to_string();
             return Decided::Ready(self.fail(ops.len(), BackendError::Unavailable(error)));
         };
         let call = ScriptCall::new(ops);
@@ -248,7 +296,6 @@ impl Backend for RedisBackend {
         } else {
             &self.hit_script
         });
-        let client = self.client.clone();
         let metrics = Arc::clone(&self.metrics);
         let timeout_ms = self.backend_timeout_ms;
         Decided::Later(Box::pin(async move {
@@ -274,6 +321,10 @@ impl Backend for RedisBackend {
 
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn check_rules(&self, rules: &RuleSet) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(check_rules(rules)?)
     }
 }
 

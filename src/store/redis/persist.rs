@@ -19,7 +19,7 @@
 //! holding `<window end, ms since the epoch>:<hits used>`. The length prefix
 //! makes keys parse back unambiguously whatever the operation and actor hold.
 
-use super::client::{ClientConfig, Lease, RedisClient};
+use super::client::{ClientConfig, HealthBoard, Lease, RedisClient};
 use super::RedisSetupError;
 use crate::engine::Engine;
 use crate::limiter::{CounterState, WindowQuota};
@@ -101,9 +101,8 @@ impl Persistence {
             connections: 1,
             connect_timeout_ms: config.timeout_ms.max(1_000),
             ping_timeout_ms: config.timeout_ms.max(1_000),
-            role: "redis persistence",
             scripts: Vec::new(),
-            health_metrics: None,
+            health: HealthBoard::new("redis persistence", &config.connection_info, None),
         })?;
         let stats = Arc::new(PersistStats::default());
         let writer = Writer {
