@@ -58,7 +58,7 @@ pub struct HealthBoard {
 
 #[derive(Default)]
 struct BoardState {
-    /// Clients that reported themselves unhealthy (or not yet connected).
+    /// Clients whose last report was "unhealthy".
     unhealthy_clients: usize,
     healthy: Option<bool>,
     down_since: Option<Instant>,
@@ -84,28 +84,24 @@ impl HealthBoard {
         })
     }
 
-    /// A client joined: it counts as unhealthy until it reports otherwise.
-    fn join(&self) {
-        self.state.lock().unhealthy_clients += 1;
-    }
-
-    /// A client's health changed from `previous` (`None`: its first report;
-    /// it joined as unhealthy) to `healthy`; `reason`: why it is down.
+    /// A client's health changed from `previous` (`None`: its first report)
+    /// to `healthy`; `reason`: why it is down. A client that has not
+    /// reported yet counts as neither.
     fn report(&self, previous: Option<bool>, healthy: bool, reason: &str) {
         let mut state = self.state.lock();
-        let was_healthy = previous == Some(true);
-        if healthy && !was_healthy {
+        let was_unhealthy = previous == Some(false);
+        if healthy && was_unhealthy {
             state.unhealthy_clients = state.unhealthy_clients.saturating_sub(1);
-        } else if !healthy && was_healthy {
+        } else if !healthy && !was_unhealthy {
             state.unhealthy_clients += 1;
         }
         self.publish(&mut state, reason);
     }
 
-    /// A client stopped: it no longer counts either way.
-    fn leave(&self, was_healthy: bool) {
+    /// A client stopped: it no longer counts.
+    fn leave(&self, last_report: Option<bool>) {
         let mut state = self.state.lock();
-        if !was_healthy {
+        if last_report == Some(false) {
             state.unhealthy_clients = state.unhealthy_clients.saturating_sub(1);
         }
     }
@@ -213,11 +209,19 @@ pub struct RedisClient {
     owner: Arc<Owner>,
 }
 
-/// A connection lent for one request.
+/// A connection lent for one request (clones share the connection).
+#[derive(Clone)]
 pub struct Lease {
     slot: usize,
     generation: u64,
     pub connection: MultiplexedConnection,
+}
+
+impl Lease {
+    /// Which connection this is: a new number after every reconnection.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
 }
 
 impl RedisClient {
@@ -267,7 +271,6 @@ impl RedisClient {
             first_round_done: AtomicBool::new(false),
         });
         let (stop_sender, stop_receiver) = oneshot::channel();
-        config.health.join();
         let supervisor = Supervisor {
             shared: Arc::clone(&shared),
             client: redis::Client::open(config.connection_info.clone())
@@ -427,7 +430,7 @@ struct Supervisor {
 
 impl Drop for Supervisor {
     fn drop(&mut self) {
-        self.config.health.leave(self.healthy == Some(true));
+        self.config.health.leave(self.healthy);
     }
 }
 
