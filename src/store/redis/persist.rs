@@ -3,10 +3,11 @@
 //!
 //! - **Writing.** Every `interval_ms`, a task on the persistence client's
 //!   thread copies the live counters of a few whole stripes (at least
-//!   `counters_per_tick` counters, or every stripe once) and writes them with
-//!   pipelined `SET key value PX ttl`, so the work per tick is bounded and a
-//!   full pass over N counters takes `ceil(N / counters_per_tick)` ticks.
-//!   Keys expire in Redis when their window does.
+//!   `counters_per_tick` counters, or every stripe once) and writes those
+//!   that changed since last written, with pipelined `SET key value PX ttl`,
+//!   so the work per tick is bounded and a full pass over N counters takes
+//!   `ceil(N / counters_per_tick)` ticks. Keys expire in Redis when their
+//!   window does.
 //! - **Loading.** At start, before serving, `SCAN` + `MGET` over the prefix
 //!   and merge each counter of a rule that still exists into the store.
 //! - **Shutdown.** A last full pass, bounded by [`FINAL_FLUSH_TIMEOUT_MS`].
@@ -41,6 +42,10 @@ pub const FINAL_FLUSH_TIMEOUT_MS: u64 = 10_000;
 pub const LOAD_TIMEOUT_MS: u64 = 60_000;
 /// Commands per pipeline when writing or reading counters.
 const PIPELINE_COMMANDS_MAX: usize = 1_000;
+/// Pipelines sent before waiting for their answers, when writing.
+const PIPELINES_IN_FLIGHT: usize = 4;
+/// Every this many full passes, every counter is written again, changed or not.
+const FULL_REWRITE_PASSES: u64 = 60;
 
 /// Where and how often to persist.
 #[derive(Debug, Clone)]
@@ -58,11 +63,15 @@ pub struct PersistConfig {
 pub struct PersistStats {
     pub ticks: AtomicU64,
     pub counters_written: AtomicU64,
+    /// Counters not written because they had not changed since last written.
+    pub counters_skipped: AtomicU64,
     pub write_errors: AtomicU64,
     pub counters_loaded: AtomicU64,
     /// Full passes over every stripe.
     pub passes: AtomicU64,
     pub last_tick_micros: AtomicU64,
+    /// Time spent in ticks, in all.
+    pub tick_micros_total: AtomicU64,
     pub last_tick_counters: AtomicU64,
     /// Wall time of the last full pass (first tick to last).
     pub last_pass_ms: AtomicU64,
@@ -115,6 +124,7 @@ impl Persistence {
             pass_stripes: 0,
             pass_started: None,
             failing: false,
+            written: WrittenStates::default(),
         };
         let (loaded_sender, loaded_receiver) = std::sync::mpsc::channel();
         let (stop_sender, stop_receiver) = oneshot::channel();
@@ -180,6 +190,41 @@ struct Writer {
     pass_started: Option<Instant>,
     /// The last write failed (log once per streak).
     failing: bool,
+    written: WrittenStates,
+}
+
+/// The state last written for each counter, by a hash of its key, so that
+/// counters unchanged since are not written again. Forgotten whenever Redis
+/// may have lost what was written: after a reconnection, a failed write, and
+/// every [`FULL_REWRITE_PASSES`] passes (a Redis flushed behind our back).
+#[derive(Default)]
+struct WrittenStates {
+    by_key_hash: HashMap<u64, CounterState>,
+    hasher: ahash::RandomState,
+    /// The connection the states were written on.
+    generation: Option<u64>,
+    passes: u64,
+}
+
+impl WrittenStates {
+    fn unchanged(&self, key_hash: u64, state: CounterState) -> bool {
+        self.by_key_hash.get(&key_hash) == Some(&state)
+    }
+
+    fn forget(&mut self) {
+        self.by_key_hash.clear();
+    }
+
+    /// A full pass ended: drop what has expired; now and then, everything.
+    fn pass_done(&mut self, now_ms: u64) {
+        self.passes += 1;
+        if self.passes % FULL_REWRITE_PASSES == 0 {
+            self.forget();
+        } else {
+            self.by_key_hash
+                .retain(|_, state| state.expires_at_ms() > now_ms);
+        }
+    }
 }
 
 type StopRequest = std::sync::mpsc::Sender<Result<u64, PersistError>>;
@@ -206,7 +251,7 @@ impl Writer {
                 request = &mut stop => {
                     let flushed = tokio::time::timeout(
                         Duration::from_millis(FINAL_FLUSH_TIMEOUT_MS),
-                        self.write_step(usize::MAX),
+                        self.write_full_pass(),
                     )
                     .await
                     .unwrap_or(Err(PersistError::Timeout(FINAL_FLUSH_TIMEOUT_MS)));
@@ -305,9 +350,24 @@ impl Writer {
         redis::from_owned_redis_value(value).map_err(|error| PersistError::Redis(error.to_string()))
     }
 
+    /// Writes every live counter once, step by step (so memory stays bounded
+    /// by one step's counters). Returns how many were written.
+    async fn write_full_pass(&mut self) -> Result<u64, PersistError> {
+        let stripes = self.store.stripe_count();
+        let mut visited = 0;
+        let mut written = 0;
+        while visited < stripes {
+            let (result, step_stripes) = self.write_step(self.config.counters_per_tick).await;
+            written += result?;
+            visited += step_stripes;
+        }
+        Ok(written)
+    }
+
     /// Writes the live counters of the next stripes, at least `budget` of
-    /// them (or every stripe once). Returns how many were written.
-    async fn write_step(&mut self, budget: usize) -> Result<u64, PersistError> {
+    /// them (or every stripe once). Returns how many were written, and how
+    /// many stripes were visited.
+    async fn write_step(&mut self, budget: usize) -> (Result<u64, PersistError>, usize) {
         let started = Instant::now();
         let now_ms = self.engine.clock().now_ms();
         let rules = self.engine.rules();
@@ -325,12 +385,25 @@ impl Writer {
         self.pass_stripes += stripes;
 
         let mut written = 0;
+        let mut skipped = 0;
         let mut result = Ok(());
-        let mut lease = self.client.lease();
+        let lease = self.client.lease();
+        let generation = lease.as_ref().map(Lease::generation);
+        if generation != self.written.generation {
+            self.written.forget();
+            self.written.generation = generation;
+        }
+        // Pipelines, each with the (key hash, state) of the counters it writes.
+        let mut pipelines: Vec<(redis::Pipeline, Vec<(u64, CounterState)>)> = Vec::new();
         for chunk in copied.chunks(PIPELINE_COMMANDS_MAX) {
             let mut pipeline = redis::pipe();
-            let mut commands = 0;
+            let mut states = Vec::with_capacity(chunk.len());
             for (key, state) in chunk {
+                let key_hash = self.written.hasher.hash_one(key.as_slice());
+                if self.written.unchanged(key_hash, *state) {
+                    skipped += 1;
+                    continue;
+                }
                 let Some((identity, actor)) = split_memory_key(key) else {
                     continue;
                 };
@@ -349,26 +422,44 @@ impl Writer {
                     .arg(value)
                     .arg("PX")
                     .arg(ttl_ms);
-                commands += 1;
+                states.push((key_hash, *state));
             }
-            if commands == 0 {
-                continue;
+            if !states.is_empty() {
+                pipelines.push((pipeline, states));
             }
-            match self.write(&mut lease, &pipeline).await {
-                Ok(()) => written += commands,
-                Err(error) => {
-                    result = Err(error);
-                    break;
+        }
+        drop(copied);
+        // A few pipelines in flight at once keep the connection busy.
+        for group in pipelines.chunks(PIPELINES_IN_FLIGHT) {
+            let writes = group
+                .iter()
+                .map(|(pipeline, _)| self.write(lease.clone(), pipeline));
+            let outcomes = futures_util::future::join_all(writes).await;
+            for ((_, states), outcome) in group.iter().zip(outcomes) {
+                match outcome {
+                    Ok(()) => {
+                        written += states.len() as u64;
+                        self.written.by_key_hash.extend(states.iter().copied());
+                    }
+                    Err(error) => result = Err(error),
                 }
+            }
+            if result.is_err() {
+                self.written.forget();
+                break;
             }
         }
         let elapsed = started.elapsed();
         let stats = &self.stats;
         stats.ticks.fetch_add(1, Ordering::Relaxed);
         stats.counters_written.fetch_add(written, Ordering::Relaxed);
+        stats.counters_skipped.fetch_add(skipped, Ordering::Relaxed);
         stats
             .last_tick_micros
             .store(elapsed.as_micros() as u64, Ordering::Relaxed);
+        stats
+            .tick_micros_total
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
         stats.last_tick_counters.store(written, Ordering::Relaxed);
         if self.pass_stripes >= self.store.stripe_count() {
             self.pass_stripes = 0;
@@ -378,13 +469,14 @@ impl Writer {
                     .store(pass_started.elapsed().as_millis() as u64, Ordering::Relaxed);
             }
             stats.passes.fetch_add(1, Ordering::Relaxed);
+            self.written.pass_done(now_ms);
         }
         tracing::debug!(
             written,
             micros = elapsed.as_micros() as u64,
             "persisted counters"
         );
-        match result {
+        let result = match result {
             Ok(()) => {
                 if self.failing {
                     self.failing = false;
@@ -404,21 +496,21 @@ impl Writer {
                 }
                 Err(error)
             }
-        }
+        };
+        (result, stripes)
     }
 
     async fn write(
         &self,
-        lease: &mut Option<Lease>,
+        lease: Option<Lease>,
         pipeline: &redis::Pipeline,
     ) -> Result<(), PersistError> {
-        let lease = match lease {
-            Some(lease) => lease,
-            None => return Err(PersistError::Redis(self.client.not_connected().to_string())),
+        let Some(mut lease) = lease else {
+            return Err(PersistError::Redis(self.client.not_connected().to_string()));
         };
         let replies = tokio::time::timeout(
             Duration::from_millis(self.config.timeout_ms),
-            self.client.send_pipeline(lease, pipeline),
+            self.client.send_pipeline(&mut lease, pipeline),
         )
         .await
         .map_err(|_| PersistError::Timeout(self.config.timeout_ms))?
