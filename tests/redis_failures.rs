@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::redis::{free_port, hit_once, start_on_redis, wait_for, RedisServer};
+use common::redis::{free_port, hit_once, start_on_redis, wait_for, RedisServer, ServeProcess};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -286,4 +286,65 @@ fn a_server_started_before_redis_serves_once_redis_is_up() {
         wait_for(RECOVERY_TIMEOUT, || succeeds(server.addr)),
         "hits did not succeed once Redis came up"
     );
+}
+
+#[test]
+fn losing_and_regaining_redis_logs_one_line_each() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let timeout = BACKEND_TIMEOUT_MS.to_string();
+    let url = redis.url();
+    let server = ServeProcess::start_with_stderr(
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--backend-timeout-ms",
+            &timeout,
+        ],
+        &[("RUST_LOG", "info")],
+        std::process::Stdio::from(log.reopen().unwrap()),
+    );
+    let read_log = || std::fs::read_to_string(log.path()).unwrap();
+    let count = |text: &str, needle: &str| text.matches(needle).count();
+    // Traffic on every serving thread, so that each opens its own connection.
+    for _ in 0..8 {
+        assert!(succeeds(server.addr));
+    }
+    let connected = |text: &str| count(text, "redis connected");
+    assert!(
+        wait_for(Duration::from_secs(5), || connected(&read_log()) == 1),
+        "{}",
+        read_log()
+    );
+
+    redis.kill();
+    for _ in 0..8 {
+        let answer = hit_once(server.addr, HIT, Duration::from_secs(5));
+        assert!(answer.is_some_and(|a| a.starts_with("ERR unknown ")));
+    }
+    assert!(
+        wait_for(Duration::from_secs(5), || count(
+            &read_log(),
+            "redis unavailable"
+        ) == 1),
+        "{}",
+        read_log()
+    );
+    redis.restart();
+    assert!(wait_for(RECOVERY_TIMEOUT, || succeeds(server.addr)));
+    assert!(
+        wait_for(RECOVERY_TIMEOUT, || count(&read_log(), "redis connected")
+            == 2),
+        "{}",
+        read_log()
+    );
+    std::thread::sleep(Duration::from_millis(1_500));
+    let text = read_log();
+    assert_eq!(count(&text, "redis unavailable"), 1, "{text}");
+    assert_eq!(count(&text, "redis connected"), 2, "{text}");
+    server.terminate();
 }

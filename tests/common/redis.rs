@@ -266,8 +266,14 @@ pub struct ServeProcess {
 
 impl ServeProcess {
     /// Runs `tollgate serve --listen 127.0.0.1:0 ARGS` and waits for its
-    /// "listening on" line.
+    /// "listening on" line. Its warnings go to the test's stderr.
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> ServeProcess {
+        Self::start_with_stderr(args, env, Stdio::inherit())
+    }
+
+    /// Like [`ServeProcess::start`], with the process's log (stderr) sent to
+    /// `stderr` (set `RUST_LOG` in `env` for more than warnings).
+    pub fn start_with_stderr(args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> ServeProcess {
         let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--threads", "2"])
@@ -279,7 +285,7 @@ impl ServeProcess {
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(stderr);
         let mut child = command.spawn().expect("spawn tollgate serve");
         let stdout = child.stdout.take().expect("stdout is piped");
         let (sender, receiver) = std::sync::mpsc::channel();
