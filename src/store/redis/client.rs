@@ -15,7 +15,7 @@ use arc_swap::ArcSwapOption;
 use futures_util::future::join_all;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, RedisError, Value};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify};
@@ -33,7 +33,7 @@ const FIRST_CONNECT_WAIT_MS: u64 = 3_000;
 #[derive(Clone)]
 pub struct ClientConfig {
     pub connection_info: ConnectionInfo,
-    /// Connections kept open; requests are spread over them.
+    /// Connections kept open: the first one up serves, the others stand by.
     pub connections: usize,
     /// Longest a connection attempt (TCP, TLS, AUTH, SELECT) may take.
     pub connect_timeout_ms: u64,
@@ -166,13 +166,6 @@ impl RequestError {
 struct LiveConnection {
     generation: u64,
     connection: MultiplexedConnection,
-}
-
-/// Numbers threads in the order they first use a client (see [`RedisClient::lease`]).
-static NEXT_THREAD_AFFINITY: AtomicUsize = AtomicUsize::new(0);
-
-thread_local! {
-    static THREAD_AFFINITY: std::cell::OnceCell<usize> = const { std::cell::OnceCell::new() };
 }
 
 struct Shared {
@@ -314,26 +307,21 @@ impl RedisClient {
         &self.shared().target
     }
 
-    /// Lends a live connection; `None` when none is up. Each thread has its
-    /// own preferred connection, so the requests of one client connection
-    /// (which lives on one serving thread) reach Redis in the order they
-    /// were made, while the threads spread over the connections. When the
-    /// preferred one is down, another takes over.
+    /// Lends a live connection (the first one up, so that a client's
+    /// requests keep their order on one connection while it lives); `None`
+    /// when none is up.
     pub fn lease(&self) -> Option<Lease> {
-        let shared = self.shared();
-        let count = shared.slots.len();
-        let preferred = THREAD_AFFINITY.with(|affinity| {
-            *affinity.get_or_init(|| NEXT_THREAD_AFFINITY.fetch_add(1, Ordering::Relaxed))
-        });
-        (0..count).find_map(|offset| {
-            let slot = (preferred + offset) % count;
-            let live = shared.slots[slot].load();
-            live.as_ref().map(|live| Lease {
-                slot,
-                generation: live.generation,
-                connection: live.connection.clone(),
+        self.shared()
+            .slots
+            .iter()
+            .enumerate()
+            .find_map(|(slot, live)| {
+                live.load().as_ref().map(|live| Lease {
+                    slot,
+                    generation: live.generation,
+                    connection: live.connection.clone(),
+                })
             })
-        })
     }
 
     /// Sends one command on a leased connection. A failure of the connection
