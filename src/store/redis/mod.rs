@@ -48,9 +48,11 @@ pub struct RedisArgs {
     #[arg(long, env = "REDIS_HOST", default_value = "localhost")]
     pub redis_host: String,
 
-    /// Redis port of the redis backend, as divvy reads it.
-    #[arg(long, env = "REDIS_PORT", default_value_t = 6379)]
-    pub redis_port: u16,
+    /// Redis port of the redis backend, as divvy reads it (read only with
+    /// --backend redis, so that an unrelated REDIS_PORT, such as the
+    /// `tcp://…` that Kubernetes sets, never stops the memory backend).
+    #[arg(long, env = "REDIS_PORT", default_value = "6379")]
+    pub redis_port: String,
 
     /// Redis URL of the redis backend, for a password, a database or TLS
     /// (`redis://[user:password@]host:port/db`, `rediss://…`); overrides
@@ -87,10 +89,17 @@ impl RedisArgs {
     pub fn backend_connection_info(&self) -> Result<ConnectionInfo, RedisSetupError> {
         match &self.redis_url {
             Some(url) => parse_url(url),
-            None => Ok(ConnectionInfo {
-                addr: ConnectionAddr::Tcp(self.redis_host.clone(), self.redis_port),
-                redis: RedisConnectionInfo::default(),
-            }),
+            None => {
+                let port = self
+                    .redis_port
+                    .trim()
+                    .parse()
+                    .map_err(|_| RedisSetupError::BadPort(self.redis_port.clone()))?;
+                Ok(ConnectionInfo {
+                    addr: ConnectionAddr::Tcp(self.redis_host.clone(), port),
+                    redis: RedisConnectionInfo::default(),
+                })
+            }
         }
     }
 
@@ -121,6 +130,8 @@ fn parse_url(url: &str) -> Result<ConnectionInfo, RedisSetupError> {
 pub enum RedisSetupError {
     #[error("invalid redis URL: {0}")]
     BadUrl(String),
+    #[error("REDIS_PORT (--redis-port) must be a port number, got '{0}'")]
+    BadPort(String),
     #[error(transparent)]
     Client(#[from] ClientStartError),
     #[error("rule {rule} uses the {algorithm} algorithm; the redis backend counts only fixed windows (divvy's), so it cannot serve this rule")]
@@ -358,6 +369,11 @@ mod tests {
         let info = args.backend_connection_info().unwrap();
         assert_eq!(info.redis.password.as_deref(), Some("secret"));
         assert_eq!(client::describe_target(&info), "db.example:6390/3");
+        let args = Cli::parse_from(["t", "--redis-port", "tcp://10.0.0.7:6379"]).redis;
+        assert!(matches!(
+            args.backend_connection_info(),
+            Err(RedisSetupError::BadPort(_))
+        ));
         let args = Cli::parse_from(["t", "--redis-url", "http://nope"]).redis;
         assert!(matches!(
             args.backend_connection_info(),
