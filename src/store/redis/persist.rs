@@ -88,7 +88,8 @@ pub enum PersistError {
     Stopped,
 }
 
-/// Persistence, running: writes counters until [`Persistence::stop_and_flush`].
+/// Persistence, running: writes counters until [`Persistence::stop_and_flush`]
+/// (or until dropped, which also ends it after one last pass).
 pub struct Persistence {
     client: RedisClient,
     stats: Arc<PersistStats>,
