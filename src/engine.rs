@@ -94,6 +94,14 @@ enum Step {
     Counter(usize, usize),
 }
 
+impl Step {
+    fn position(self) -> usize {
+        match self {
+            Step::Fixed(position, _) | Step::Counter(position, _) => position,
+        }
+    }
+}
+
 type Plan = SmallVec<[Step; 2]>;
 
 pub struct Engine {
@@ -316,21 +324,14 @@ impl Engine {
             }
             UnavailablePolicy::Deny => Reply::Decision(Decision::ALWAYS_DENY),
             UnavailablePolicy::Allow => {
-                let limit = plan
-                    .last()
-                    .and_then(|step| {
-                        match loaded.set.rules()[match *step {
-                            Step::Fixed(p, _) | Step::Counter(p, _) => p,
-                        }]
-                        .quota
-                        {
+                let credit_limit =
+                    plan.last()
+                        .map_or(0, |step| match loaded.set.rules()[step.position()].quota {
                             Quota::Limited { credit_limit, .. }
-                            | Quota::AlwaysAllow { credit_limit } => Some(credit_limit),
-                            Quota::AlwaysDeny => None,
-                        }
-                    })
-                    .unwrap_or(0);
-                Reply::Decision(Decision::always_allow(limit))
+                            | Quota::AlwaysAllow { credit_limit } => credit_limit,
+                            Quota::AlwaysDeny => 0,
+                        });
+                Reply::Decision(Decision::always_allow(credit_limit))
             }
         }
     }
