@@ -86,6 +86,16 @@ pub struct LoadedRules {
     label_counters: Vec<Arc<LabelCounters>>,
 }
 
+/// When a batch of request lines arrived: every line read by one syscall
+/// shares it, so the clocks are read once per read, not once per request.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    /// For `divvy_hit_duration_seconds`: time from receipt to decision.
+    pub received: Instant,
+    /// The limiter's time (wall-clock milliseconds from the engine's clock).
+    pub now_ms: u64,
+}
+
 /// One evaluated rule of a request: its position and, for limited quotas, the
 /// index of its counter op (otherwise its fixed decision).
 #[derive(Clone, Copy)]
@@ -172,9 +182,16 @@ impl Engine {
         &self.clock
     }
 
-    /// Executes one request line (without its terminator).
-    pub fn execute(self: &Arc<Self>, line: &[u8]) -> Outcome {
-        let started = Instant::now();
+    /// Reads the clocks for a batch of lines that just arrived.
+    pub fn arrival(&self) -> Arrival {
+        Arrival {
+            received: Instant::now(),
+            now_ms: self.clock.now_ms(),
+        }
+    }
+
+    /// Executes one request line (without its terminator) that arrived at `arrival`.
+    pub fn execute(self: &Arc<Self>, line: &[u8], arrival: Arrival) -> Outcome {
         let text = match std::str::from_utf8(line) {
             Ok(text) => Cow::Borrowed(text),
             Err(_) => String::from_utf8_lossy(line),
@@ -194,12 +211,11 @@ impl Engine {
             }
         };
         match command.verb {
-            Verb::Hit => self.hit(&command.pairs, false, started),
-            Verb::Peek => self.hit(&command.pairs, true, started),
+            Verb::Hit => self.hit(&command.pairs, false, arrival),
+            Verb::Peek => self.hit(&command.pairs, true, arrival),
             verb => {
-                let now_ms = self.clock.now_ms();
                 for extension in &self.extensions {
-                    if let Some(outcome) = extension.execute(verb, &command.pairs, now_ms) {
+                    if let Some(outcome) = extension.execute(verb, &command.pairs, arrival.now_ms) {
                         return outcome;
                     }
                 }
@@ -218,7 +234,7 @@ impl Engine {
         }
     }
 
-    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, started: Instant) -> Outcome {
+    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
         let loaded = self.rules.load();
         let mut ops: SmallVec<[CounterOp<'_>; 2]> = SmallVec::new();
         let mut plan = Plan::new();
@@ -246,20 +262,20 @@ impl Engine {
             plan.push(step);
         }
         if ops.is_empty() {
-            return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, started));
+            return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, arrival));
         }
-        let decided = self.backend.decide(&ops, self.clock.now_ms());
+        let decided = self.backend.decide(&ops, arrival.now_ms);
         drop(ops);
         match decided {
             Decided::Ready(decisions) => {
-                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, started))
+                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival))
             }
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = arc_swap::Guard::into_inner(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, decisions, peek, started)
+                    engine.finish(&loaded, &plan, decisions, peek, arrival)
                 }))
             }
         }
@@ -273,7 +289,7 @@ impl Engine {
         plan: &Plan,
         decisions: Decisions,
         peek: bool,
-        started: Instant,
+        arrival: Arrival,
     ) -> Reply {
         let mut last: Option<Result<Decision, &BackendError>> = None;
         for step in plan {
@@ -307,7 +323,7 @@ impl Engine {
         match last {
             Some(Ok(decision)) => {
                 if !peek {
-                    self.metrics.hit_duration(started.elapsed());
+                    self.metrics.hit_duration(arrival.received.elapsed());
                 }
                 Reply::Decision(decision)
             }

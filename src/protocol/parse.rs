@@ -162,6 +162,71 @@ pub fn is_whitespace(c: char) -> bool {
     )
 }
 
+/// ASCII bytes that end an unquoted token: divvy's ASCII whitespace and `=`.
+const ASCII_TOKEN_END: [bool; 128] = {
+    let mut table = [false; 128];
+    let mut i = 0;
+    while i < 128 {
+        table[i] = matches!(i as u8, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r' | b'=');
+        i += 1;
+    }
+    table
+};
+
+/// The byte length of the run of non-whitespace, non-`=` characters that
+/// starts `s`. ASCII is decided by table lookup; other characters by
+/// [`is_whitespace`].
+fn unquoted_len(s: &str) -> usize {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b < 0x80 {
+            if ASCII_TOKEN_END[b as usize] {
+                break;
+            }
+            i += 1;
+        } else {
+            match s[i..].chars().next() {
+                Some(c) if !is_whitespace(c) => i += c.len_utf8(),
+                _ => break,
+            }
+        }
+    }
+    i
+}
+
+/// The byte length of the run of whitespace that starts `s`.
+fn whitespace_len(s: &str) -> usize {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b < 0x80 {
+            if !(ASCII_TOKEN_END[b as usize] && b != b'=') {
+                break;
+            }
+            i += 1;
+        } else {
+            match s[i..].chars().next() {
+                Some(c) if is_whitespace(c) => i += c.len_utf8(),
+                _ => break,
+            }
+        }
+    }
+    i
+}
+
+/// Trims divvy's whitespace from both ends (JavaScript's `trim`).
+fn trim_whitespace(s: &str) -> &str {
+    let s = &s[whitespace_len(s)..];
+    if s.as_bytes()
+        .last()
+        .is_some_and(|b| b.is_ascii_alphanumeric())
+    {
+        return s; // the common case: nothing to trim at the end
+    }
+    s.trim_end_matches(is_whitespace)
+}
+
 /// Reads one token starting at byte `pos`: a quoted token runs to the next
 /// `"` (no escapes); any other token runs to the first whitespace or `=`.
 /// Returns the token and the byte position just after it.
@@ -172,10 +237,7 @@ fn read_token(s: &str, pos: usize) -> Result<(&str, usize), ParseError> {
             memchr::memchr(b'"', quoted.as_bytes()).ok_or(ParseError::UnexpectedEndOfQuoted)?;
         Ok((&quoted[..close], pos + 1 + close + 1))
     } else {
-        let len = rest
-            .char_indices()
-            .find(|&(_, c)| c == '=' || is_whitespace(c))
-            .map_or(rest.len(), |(i, _)| i);
+        let len = unquoted_len(rest);
         Ok((&rest[..len], pos + len))
     }
 }
@@ -189,7 +251,7 @@ pub fn parse_line(line: &str) -> Result<Command<'_>, ParseError> {
     let (word, after_word) = read_token(line, 0)?;
     let verb =
         Verb::from_word(word).ok_or_else(|| ParseError::UnknownCommand(word.to_uppercase()))?;
-    let pairs = parse_pairs(line[after_word..].trim_matches(is_whitespace))?;
+    let pairs = parse_pairs(trim_whitespace(&line[after_word..]))?;
     Ok(Command { verb, pairs })
 }
 
@@ -208,10 +270,7 @@ fn parse_pairs(s: &str) -> Result<Pairs<'_>, ParseError> {
         pairs.items.push((key, value));
         match next_char(s, after_value) {
             None => break,
-            Some(c) if is_whitespace(c) => {
-                let rest = &s[after_value..];
-                pos = after_value + (rest.len() - rest.trim_start_matches(is_whitespace).len());
-            }
+            Some(c) if is_whitespace(c) => pos = after_value + whitespace_len(&s[after_value..]),
             Some(c) => return Err(ParseError::ExpectedWhitespace(c)),
         }
     }

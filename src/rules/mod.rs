@@ -93,6 +93,9 @@ impl fmt::Display for RuleOrigin {
 pub struct Rule {
     /// The operation's pairs, in the order the file gives them.
     pub operation: Vec<(String, Pattern)>,
+    /// The pairs a request is checked against: `*` pairs left out (they
+    /// match anything), exact values first (cheapest, most selective).
+    checks: Vec<(String, Pattern)>,
     pub quota: Quota,
     pub actor_field: Option<String>,
     pub label: Option<String>,
@@ -113,7 +116,7 @@ pub struct Rule {
 impl Rule {
     /// Does the request match every pair of this rule's operation?
     pub fn matches(&self, request: &Pairs<'_>) -> bool {
-        self.operation
+        self.checks
             .iter()
             .all(|(key, pattern)| pattern.matches(request.get(key)))
     }
@@ -473,15 +476,24 @@ fn validate_rule(raw: RawRule, earlier: &[Rule]) -> Result<Rule, ConfigError> {
         algorithm.as_str()
     ));
 
+    let operation: Vec<(String, Pattern)> = raw
+        .operation
+        .into_iter()
+        .map(|(k, v)| {
+            let pattern = Pattern::new(&v);
+            (k, pattern)
+        })
+        .collect();
+    let mut checks: Vec<(String, Pattern)> = operation
+        .iter()
+        .filter(|(_, pattern)| *pattern != Pattern::Any)
+        .cloned()
+        .collect();
+    checks.sort_by_key(|(_, pattern)| !matches!(pattern, Pattern::Exact(_)));
+
     Ok(Rule {
-        operation: raw
-            .operation
-            .into_iter()
-            .map(|(k, v)| {
-                let pattern = Pattern::new(&v);
-                (k, pattern)
-            })
-            .collect(),
+        operation,
+        checks,
         quota,
         actor_field: raw.actor_field,
         label: raw.label,

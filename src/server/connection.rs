@@ -46,6 +46,8 @@ struct Connection {
     closing: bool,
     /// No more input will be read (shutdown or EOF); finish what was read.
     input_done: bool,
+    /// When the unexecuted bytes in `input` arrived.
+    arrival: crate::engine::Arrival,
 }
 
 pub async fn serve(
@@ -66,6 +68,7 @@ pub async fn serve(
         pending: FuturesOrdered::new(),
         closing: false,
         input_done: false,
+        arrival: engine.arrival(),
     };
     let ended = connection.run(shutdown).await;
     engine.metrics.connection_closed();
@@ -110,7 +113,7 @@ impl Connection {
                 read = read_more(&mut self.stream, &mut self.input, &mut self.consumed), if can_read => {
                     match read {
                         Ok(0) => self.input_done = true,
-                        Ok(_) => {}
+                        Ok(_) => self.arrival = self.engine.arrival(),
                         Err(_) => return Ended::Io,
                     }
                 }
@@ -140,7 +143,7 @@ impl Connection {
                 self.fail_line_too_long();
                 break;
             }
-            let outcome = self.engine.execute(line);
+            let outcome = self.engine.execute(line, self.arrival);
             self.consumed += used;
             match outcome {
                 Outcome::Now(reply) => self.queue_reply(reply),
