@@ -3,6 +3,9 @@
 //! counted, and a [`Reply`] comes out. Connections call [`Engine::execute`];
 //! nothing here touches a socket.
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
@@ -247,17 +250,19 @@ impl Engine {
                 Quota::Limited {
                     credit_limit,
                     reset_seconds,
-                } => {
-                    let quota = WindowQuota::new(credit_limit, reset_seconds)
-                        .expect("limited quotas are positive");
-                    ops.push(CounterOp {
-                        rule,
-                        actor: rule.actor(pairs),
-                        quota,
-                        peek,
-                    });
-                    Step::Counter(rule.position, ops.len() - 1)
-                }
+                } => match WindowQuota::new(credit_limit, reset_seconds) {
+                    Some(quota) => {
+                        ops.push(CounterOp {
+                            rule,
+                            actor: rule.actor(pairs),
+                            quota,
+                            peek,
+                        });
+                        Step::Counter(rule.position, ops.len() - 1)
+                    }
+                    // Validation makes both positive; never count against a zero quota.
+                    None => Step::Fixed(rule.position, Decision::ALWAYS_DENY),
+                },
             };
             plan.push(step);
         }

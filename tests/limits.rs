@@ -317,3 +317,87 @@ fn unavailability_policies_decide_what_hits_get_at_the_live_key_cap() {
         );
     }
 }
+
+#[test]
+fn a_line_trickling_in_slower_than_the_line_timeout_is_dropped() {
+    let server = start(Limits {
+        line_timeout_ms: 300,
+        ..Limits::default()
+    });
+    let mut slow = server.connect();
+    slow.write_all(b"HIT op=a u=1\nHIT op=").unwrap();
+    let started = Instant::now();
+    // Keep trickling bytes: activity does not extend a line's deadline.
+    let mut answer = String::new();
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(100));
+        if slow.write_all(b"a").is_err() {
+            break;
+        }
+    }
+    let _ = slow.read_to_string(&mut answer);
+    assert_eq!(answer, "OK true 999999 60\nERR unknown \"line timeout\"\n");
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(250) && elapsed < Duration::from_secs(5),
+        "{elapsed:?}"
+    );
+    let mut other = server.connect();
+    assert_eq!(request(&mut other, "HIT op=a u=2"), "OK true 999999 60");
+}
+
+/// An extension that panics, standing in for any bug on the serving path.
+struct PanicOnQuery;
+
+impl tollgate::engine::CommandExtension for PanicOnQuery {
+    fn execute(
+        &self,
+        verb: tollgate::protocol::Verb,
+        _pairs: &tollgate::protocol::Pairs<'_>,
+        _now_ms: u64,
+    ) -> Option<tollgate::engine::Outcome> {
+        assert!(
+            verb != tollgate::protocol::Verb::Query,
+            "deliberate panic for the test"
+        );
+        None
+    }
+}
+
+#[test]
+fn a_panic_in_one_connection_closes_only_that_connection() {
+    use std::sync::Arc;
+    let store = Arc::new(tollgate::store::MemoryStore::new(
+        MemoryStoreConfig::default(),
+    ));
+    let engine = Arc::new(
+        tollgate::engine::Engine::new(
+            RuleSet::from_ini(RULES).unwrap(),
+            Arc::new(tollgate::store::MemoryBackend {
+                store: Arc::clone(&store),
+            }),
+            Arc::new(tollgate::clock::SystemClock),
+            tollgate::metrics::Metrics::new(),
+            Default::default(),
+        )
+        .with_extension(Arc::new(PanicOnQuery)),
+    );
+    let server = TestServer::start_engine(Arc::clone(&engine), store, 1, Limits::default(), 2_000);
+    let mut bystander = server.connect();
+    assert_eq!(request(&mut bystander, "HIT op=a u=1"), "OK true 999999 60");
+    for _ in 0..3 {
+        // The panicking connection is closed; its batch gets no answer.
+        assert_eq!(server.converse(b"QUERY x=1\n"), "");
+    }
+    // Same thread, same stripe lock: everything still works and counts.
+    assert_eq!(request(&mut bystander, "HIT op=a u=1"), "OK true 999998 60");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while engine.metrics.connections_open() != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "gauge stuck at {}",
+            engine.metrics.connections_open()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -3,6 +3,9 @@
 //! against naive models and shared by every backend that keeps state itself
 //! (memory store, cluster replicas).
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 /// What one hit is told: the three numbers of an `OK` line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {

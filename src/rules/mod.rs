@@ -3,6 +3,9 @@
 //! steps, and matching a request against the rules. It knows nothing about
 //! sockets or storage.
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 mod ini_file;
 mod json_file;
 mod pattern;
@@ -231,6 +234,7 @@ impl RuleSet {
     }
 
     /// The example configuration of divvy's README.
+    #[allow(clippy::expect_used)] // a constant file, validated by a unit test
     pub fn embedded_default() -> RuleSet {
         let mut set =
             Self::from_ini(EMBEDDED_DEFAULT_INI).expect("the embedded default config is valid");
@@ -362,6 +366,7 @@ fn canonical_operation(operation: &[(String, String)]) -> String {
 
 /// Interns counter identities process-wide, so that a rule keeps its counters
 /// across reloads as long as its operation, limits and algorithm are unchanged.
+#[allow(clippy::expect_used)] // 2^32 distinct rules cannot be loaded in one process
 fn intern_counter_identity(identity: String) -> u32 {
     use parking_lot::Mutex;
     use std::collections::HashMap;

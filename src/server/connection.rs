@@ -48,8 +48,20 @@ struct Connection {
     input_done: bool,
     /// When the unexecuted bytes in `input` arrived.
     arrival: crate::engine::Arrival,
+    /// Since when an incomplete line has been waiting for its end.
+    partial_line_since: Option<tokio::time::Instant>,
 }
 
+/// Counts a connection open for as long as it lives, even if its task panics.
+struct OpenConnectionGauge(Arc<Engine>);
+
+impl Drop for OpenConnectionGauge {
+    fn drop(&mut self) {
+        self.0.metrics.connection_closed();
+    }
+}
+
+/// Serves one client connection until it ends; returns why it ended.
 pub async fn serve(
     stream: TcpStream,
     engine: Arc<Engine>,
@@ -58,6 +70,7 @@ pub async fn serve(
 ) -> Ended {
     let _ = stream.set_nodelay(true);
     engine.metrics.connection_opened();
+    let _gauge = OpenConnectionGauge(Arc::clone(&engine));
     let mut connection = Connection {
         stream,
         engine: Arc::clone(&engine),
@@ -69,10 +82,9 @@ pub async fn serve(
         closing: false,
         input_done: false,
         arrival: engine.arrival(),
+        partial_line_since: None,
     };
-    let ended = connection.run(shutdown).await;
-    engine.metrics.connection_closed();
-    ended
+    connection.run(shutdown).await
 }
 
 impl Connection {
@@ -101,6 +113,16 @@ impl Connection {
                     ms => tokio::time::sleep(Duration::from_millis(ms)).await,
                 }
             };
+            let partial_line_deadline = self
+                .partial_line_since
+                .filter(|_| self.limits.line_timeout_ms > 0)
+                .map(|since| since + Duration::from_millis(self.limits.line_timeout_ms));
+            let line_timeout = async {
+                match partial_line_deadline {
+                    Some(deadline) => tokio::time::sleep_until(deadline).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 Some(reply) = self.pending.next(), if !self.pending.is_empty() => {
@@ -121,7 +143,12 @@ impl Connection {
                     self.input_done = true;
                     ended_by = Ended::Shutdown;
                 }
-                _ = idle, if can_read && self.pending.is_empty() => {
+                _ = line_timeout, if can_read => {
+                    // A line trickling in slower than this holds a slot for nothing (slowloris).
+                    self.engine.metrics.error(crate::protocol::ErrorCode::Unknown);
+                    self.queue_reply(Reply::error("line timeout"));
+                }
+                _ = idle, if can_read && self.pending.is_empty() && self.partial_line_since.is_none() => {
                     return Ended::Idle;
                 }
             }
@@ -153,6 +180,9 @@ impl Connection {
         if self.consumed == self.input.len() {
             self.input.clear();
             self.consumed = 0;
+            self.partial_line_since = None;
+        } else if self.partial_line_since.is_none() {
+            self.partial_line_since = Some(tokio::time::Instant::now());
         }
     }
 

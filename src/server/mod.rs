@@ -4,6 +4,9 @@
 //! Also owns the connection limit and graceful shutdown (stop accepting,
 //! answer what was read, close, bounded by `drain_timeout_ms`).
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod connection;
 
 use crate::engine::Engine;
@@ -29,6 +32,9 @@ pub struct Limits {
     pub pipeline_max: usize,
     /// Close a connection that sent nothing for this long (0: never).
     pub idle_timeout_ms: u64,
+    /// A line must be complete this long after its first byte arrived, or the
+    /// connection gets `ERR unknown "line timeout"` (0: no limit).
+    pub line_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -38,6 +44,7 @@ impl Default for Limits {
             connections_max: 10_000,
             pipeline_max: 1024,
             idle_timeout_ms: 0,
+            line_timeout_ms: 10_000,
         }
     }
 }
@@ -234,7 +241,14 @@ impl Worker {
                         connection::serve(stream, engine, limits, shutdown).await;
                     });
                 }
-                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                Some(finished) = connections.join_next(), if !connections.is_empty() => {
+                    if let Err(error) = finished {
+                        if error.is_panic() {
+                            // The panic ended only its own connection; say so loudly.
+                            tracing::error!("a connection task panicked and was closed; the server keeps serving");
+                        }
+                    }
+                }
                 _ = shutdown.changed() => break,
             }
         }

@@ -244,7 +244,7 @@ impl MemoryStore {
         clock: Arc<dyn crate::clock::Clock>,
         tick: Duration,
         entries_per_tick: usize,
-    ) -> std::thread::JoinHandle<()> {
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
         let store: Weak<MemoryStore> = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("tollgate-sweeper".into())
@@ -256,7 +256,6 @@ impl MemoryStore {
                     next = store.sweep_step(next, entries_per_tick, clock.now_ms());
                 }
             })
-            .expect("spawning the sweeper thread")
     }
 }
 
