@@ -129,33 +129,24 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Duration::from_millis(args.sweep_interval_ms.max(1)),
         args.sweep_entries_per_tick.max(1),
     );
-    let buckets = Arc::new(crate::droplet::Buckets::new(
-        crate::droplet::BucketsConfig {
-            stripes: args.stripes.max(4 * threads),
-            buckets_max: args.droplet.droplet_buckets_max,
-            cleanup_interval_ms: args.droplet.droplet_cleanup_interval_ms,
-        },
-    ));
-    buckets.spawn_sweeper(
-        Arc::clone(&clock),
+    let buckets = args.droplet.buckets(
+        args.stripes.max(4 * threads),
+        &clock,
         args.sweep_interval_ms,
         args.sweep_entries_per_tick,
     );
     let metrics = Metrics::new();
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
-    let engine = Arc::new(
-        Engine::new(
-            rules,
-            Arc::new(MemoryBackend { store }),
-            Arc::clone(&clock),
-            metrics,
-            args.unavailable_policy,
-        )
-        .with_extension(Arc::new(crate::droplet::LineCommands::new(Arc::clone(
-            &buckets,
-        )))),
+    let engine = Engine::new(
+        rules,
+        Arc::new(MemoryBackend { store }),
+        Arc::clone(&clock),
+        metrics,
+        args.unavailable_policy,
     );
+    let droplet_lines = crate::droplet::LineCommands::new(Arc::clone(&buckets));
+    let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
     let config = ServerConfig {
         listen,
         threads,
@@ -174,25 +165,22 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     println!(
         "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: memory, threads: {threads}"
     );
-    let droplet = match args.droplet.droplet_listen {
-        Some(droplet_listen) => {
-            let config = crate::droplet::DropletServerConfig {
-                listen: droplet_listen,
-                threads,
-                message_bytes_max: args.droplet.droplet_message_bytes_max,
-                connections_max: args.connections_max.max(1),
-                drain_timeout_ms: args.drain_timeout_ms,
-            };
-            let server = crate::droplet::DropletServer::bind(config, buckets, clock)
-                .with_context(|| format!("cannot listen on {droplet_listen} (droplet)"))?;
-            println!(
-                "tollgate: listening on {} (droplet protocol)",
-                server.local_addr()
-            );
-            Some(server.spawn().context("cannot start droplet threads")?)
-        }
-        None => None,
-    };
+    let droplet = args
+        .droplet
+        .serve(
+            buckets,
+            clock,
+            threads,
+            args.connections_max,
+            args.drain_timeout_ms,
+        )
+        .context("cannot start the droplet endpoint")?;
+    if let Some(droplet) = &droplet {
+        println!(
+            "tollgate: listening on {} (droplet protocol)",
+            droplet.local_addr
+        );
+    }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
 

@@ -92,6 +92,9 @@ fn check_config(file: &Path) -> anyhow::Result<ExitCode> {
         if let Some(label) = &rule.label {
             extra.push_str(&format!(", label {label}"));
         }
+        if rule.algorithm != tollgate::rules::Algorithm::default() {
+            extra.push_str(&format!(", {}", rule.algorithm));
+        }
         println!(
             "  {:>3}. [{}] {}{extra}",
             i + 1,

@@ -108,3 +108,55 @@ fn an_unknown_algorithm_is_refused_with_the_rule_named() {
         "rule [route=a] (line 1): unknown algorithm 'leaky-bucket' (expected fixed-window, token-bucket or sliding-window)"
     );
 }
+
+/// The burst table of docs/algorithms.md, replayed over a socket.
+#[test]
+fn the_documented_burst_table_holds() {
+    let rules = RuleSet::from_ini(
+        "[route=fixed]\ncreditLimit = 4\nresetSeconds = 4\n\
+         [route=bucket]\ncreditLimit = 4\nresetSeconds = 4\nalgorithm = token-bucket\n\
+         [route=sliding]\ncreditLimit = 4\nresetSeconds = 4\nalgorithm = sliding-window\n\
+         [default]\ncreditLimit = 0\n",
+    )
+    .unwrap();
+    let clock = common::manual_clock();
+    let server = TestServer::start(
+        rules,
+        TestOptions {
+            clock: clock.clone(),
+            ..TestOptions::default()
+        },
+    );
+    let mut s = server.connect();
+    // (time in ms since the start, hits sent)
+    let schedule = [
+        (0, 1),
+        (3_900, 6),
+        (4_000, 6),
+        (5_000, 2),
+        (6_000, 2),
+        (7_000, 2),
+        (8_000, 2),
+    ];
+    let expected = [
+        ("fixed", [1, 3, 4, 0, 0, 0, 2]),
+        ("bucket", [1, 4, 0, 1, 1, 1, 1]),
+        ("sliding", [1, 3, 0, 1, 1, 1, 1]),
+    ];
+    let mut elapsed_ms = 0;
+    let mut admitted = [[0; 7]; 3];
+    for (step, (at_ms, sent)) in schedule.into_iter().enumerate() {
+        clock.advance_ms(at_ms - elapsed_ms);
+        elapsed_ms = at_ms;
+        for (rule, (route, _)) in expected.iter().enumerate() {
+            for _ in 0..sent {
+                if common::request(&mut s, &format!("HIT route={route}")).starts_with("OK true") {
+                    admitted[rule][step] += 1;
+                }
+            }
+        }
+    }
+    for (rule, (route, counts)) in expected.iter().enumerate() {
+        assert_eq!(admitted[rule], *counts, "{route}");
+    }
+}

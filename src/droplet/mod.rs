@@ -61,6 +61,52 @@ pub struct DropletArgs {
     pub droplet_buckets_max: usize,
 }
 
+impl DropletArgs {
+    /// The buckets these flags describe, with a sweeper reclaiming the memory
+    /// of forgotten ones every `sweep_interval_ms`.
+    pub fn buckets(
+        &self,
+        stripes: usize,
+        clock: &Arc<dyn Clock>,
+        sweep_interval_ms: u64,
+        sweep_entries_per_tick: usize,
+    ) -> Arc<Buckets> {
+        let buckets = Arc::new(Buckets::new(BucketsConfig {
+            stripes,
+            buckets_max: self.droplet_buckets_max,
+            cleanup_interval_ms: self.droplet_cleanup_interval_ms,
+        }));
+        buckets.spawn_sweeper(Arc::clone(clock), sweep_interval_ms, sweep_entries_per_tick);
+        buckets
+    }
+
+    /// Starts the WebSocket endpoint on `threads` threads when
+    /// `--droplet-listen` was given.
+    pub fn serve(
+        &self,
+        buckets: Arc<Buckets>,
+        clock: Arc<dyn Clock>,
+        threads: usize,
+        connections_max: usize,
+        drain_timeout_ms: u64,
+    ) -> std::io::Result<Option<RunningDroplet>> {
+        let Some(listen) = self.droplet_listen else {
+            return Ok(None);
+        };
+        let config = DropletServerConfig {
+            listen,
+            threads,
+            message_bytes_max: self.droplet_message_bytes_max,
+            connections_max,
+            drain_timeout_ms,
+        };
+        let server = DropletServer::bind(config, buckets, clock).map_err(|error| {
+            std::io::Error::new(error.kind(), format!("cannot listen on {listen}: {error}"))
+        })?;
+        server.spawn().map(Some)
+    }
+}
+
 impl StoredState for BucketState {
     fn expires_at_ms(&self) -> u64 {
         self.forget_at_ms()

@@ -51,6 +51,9 @@ const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 const CLOSE_WAIT_MS: u64 = 1_000;
 /// Read buffer per connection (tungstenite allocates it eagerly).
 const READ_BUFFER_BYTES: usize = 16 * 1024;
+/// Most requests answered before the answers are written out, so that one
+/// busy connection cannot hold its thread.
+const ANSWERS_PER_WRITE_MAX: usize = 1024;
 
 const NOT_IMPLEMENTED: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 15\r\nConnection: close\r\n\r\nNot implemented";
 const BAD_REQUEST: &[u8] =
@@ -413,7 +416,7 @@ impl Session {
             };
             let mut step = self.step(incoming);
             // Answer everything that has already arrived, then write once.
-            loop {
+            for answered in 1.. {
                 match step {
                     Step::Answer(bytes) => {
                         if self
@@ -431,6 +434,9 @@ impl Session {
                         let _ = self.websocket.flush().await;
                         return;
                     }
+                }
+                if answered == ANSWERS_PER_WRITE_MAX {
+                    break;
                 }
                 match self.websocket.next().now_or_never() {
                     Some(incoming) => step = self.step(incoming),
