@@ -365,3 +365,32 @@ async fn shutdown_closes_connections_with_1001() {
     let server = stopping.await.unwrap();
     assert!(std::net::TcpStream::connect(server.droplet_addr).is_err());
 }
+
+#[tokio::test]
+async fn frames_sent_with_the_handshake_are_answered() {
+    let server = DropletTestServer::start(common::manual_clock());
+    let payload = take("eager", 10, None);
+    let mut bytes =
+        b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+        Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            .to_vec();
+    // One masked binary frame; an all-zero mask leaves the payload as it is.
+    bytes.extend_from_slice(&[0x82, 0x80 | payload.len() as u8, 0, 0, 0, 0]);
+    bytes.extend_from_slice(&payload);
+    let mut stream = std::net::TcpStream::connect(server.droplet_addr).unwrap();
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    stream.write_all(&bytes).unwrap();
+    let answer_frame = [0x82, 0x04, 0x08, 0x01, 0x10, 0x09];
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !answer.ends_with(&answer_frame) {
+        let n = stream.read(&mut chunk).expect("the answer in time");
+        assert!(
+            n > 0,
+            "closed early: {:?}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&chunk[..n]);
+    }
+    assert!(answer.starts_with(b"HTTP/1.1 101 Switching Protocols\r\n"));
+}
