@@ -108,7 +108,8 @@ pub struct DropletServer {
     shared: Arc<Shared>,
 }
 
-/// A serving endpoint; [`RunningDroplet::stop`] closes it.
+/// A serving endpoint; [`RunningDroplet::stop`] closes it. Dropping it
+/// also shuts the endpoint down, without waiting for its threads.
 pub struct RunningDroplet {
     pub local_addr: SocketAddr,
     shutdown: watch::Sender<bool>,
