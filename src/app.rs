@@ -93,6 +93,9 @@ pub struct ServeArgs {
     /// Log format on stderr (filter with RUST_LOG; DEBUG=divvy logs each rule).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub droplet: crate::droplet::DropletArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
@@ -137,16 +140,27 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             args.sweep_entries_per_tick.max(1),
         )
         .context("cannot start the sweeper thread")?;
+    let buckets = args
+        .droplet
+        .buckets(
+            args.stripes.max(4 * threads),
+            &clock,
+            args.sweep_interval_ms,
+            args.sweep_entries_per_tick,
+        )
+        .context("cannot start the bucket sweeper thread")?;
     let metrics = Metrics::new();
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
-    let engine = Arc::new(Engine::new(
+    let engine = Engine::new(
         rules,
         Arc::new(MemoryBackend { store }),
-        clock,
+        Arc::clone(&clock),
         metrics,
         args.unavailable_policy,
-    ));
+    );
+    let droplet_lines = crate::droplet::LineCommands::new(Arc::clone(&buckets));
+    let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
     let config = ServerConfig {
         listen,
         threads,
@@ -171,6 +185,22 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     println!(
         "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: memory, threads: {threads}"
     );
+    let droplet = args
+        .droplet
+        .serve(
+            buckets,
+            clock,
+            threads,
+            args.connections_max,
+            args.drain_timeout_ms,
+        )
+        .context("cannot start the droplet endpoint")?;
+    if let Some(droplet) = &droplet {
+        println!(
+            "tollgate: listening on {} (droplet protocol)",
+            droplet.local_addr
+        );
+    }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
 
@@ -182,6 +212,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     tracing::info!("shutting down: draining connections");
     running.stop();
+    if let Some(droplet) = droplet {
+        droplet.stop();
+    }
     if let Some(pid_file) = &args.pid_file {
         let _ = std::fs::remove_file(pid_file);
     }

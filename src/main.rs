@@ -16,6 +16,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at startup
 enum Command {
     /// Serve the divvy line protocol. Without CONFIG, runs on the embedded
     /// default (the example configuration of divvy's README).
@@ -127,6 +128,9 @@ fn check_config(file: &Path) -> anyhow::Result<ExitCode> {
         }
         if let Some(label) = &rule.label {
             extra.push_str(&format!(", label {label}"));
+        }
+        if rule.algorithm != tollgate::rules::Algorithm::default() {
+            extra.push_str(&format!(", {}", rule.algorithm));
         }
         println!(
             "  {:>3}. [{}] {}{extra}",

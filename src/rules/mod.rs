@@ -30,25 +30,46 @@ pub enum MatchPolicy {
     Canary,
 }
 
-/// The counting algorithm of a rule. Divvy knows only the fixed window.
+/// The counting algorithm of a rule (`algorithm = …` in a rule file). Divvy
+/// knows only the fixed window, the default; docs/algorithms.md shows how each
+/// admits a burst and what `currentCredit` and `nextResetSeconds` mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
+    /// divvy's window: opens at the first hit, admits `creditLimit`, closes
+    /// `resetSeconds` later.
     #[default]
     FixedWindow,
+    /// Holds up to `creditLimit` tokens, refilled continuously at
+    /// `creditLimit` per `resetSeconds`.
+    TokenBucket,
+    /// The previous window's count, weighted by how much of it still lies
+    /// within the last `resetSeconds`, plus the current window's.
+    SlidingWindow,
 }
 
 impl Algorithm {
+    pub const ALL: [Algorithm; 3] = [
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::SlidingWindow,
+    ];
+
     pub fn parse(text: &str) -> Option<Algorithm> {
-        match text {
-            "fixed-window" => Some(Algorithm::FixedWindow),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|a| a.as_str() == text)
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             Algorithm::FixedWindow => "fixed-window",
+            Algorithm::TokenBucket => "token-bucket",
+            Algorithm::SlidingWindow => "sliding-window",
         }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -203,7 +224,7 @@ pub enum ConfigError {
     },
     #[error("rule {rule}: matchPolicy must be 'stop' or 'canary', got '{value}'")]
     BadMatchPolicy { rule: String, value: String },
-    #[error("rule {rule}: unknown algorithm '{value}' (expected fixed-window)")]
+    #[error("rule {rule}: unknown algorithm '{value}' (expected fixed-window, token-bucket or sliding-window)")]
     BadAlgorithm { rule: String, value: String },
 }
 
