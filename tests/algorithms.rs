@@ -109,7 +109,7 @@ fn an_unknown_algorithm_is_refused_with_the_rule_named() {
     );
 }
 
-/// The burst table of docs/algorithms.md, replayed over a socket.
+/// The burst table of docs/configuration.md (Algorithms), replayed over a socket.
 #[test]
 fn the_documented_burst_table_holds() {
     let rules = RuleSet::from_ini(

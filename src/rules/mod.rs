@@ -31,7 +31,7 @@ pub enum MatchPolicy {
 }
 
 /// The counting algorithm of a rule (`algorithm = …` in a rule file). Divvy
-/// knows only the fixed window, the default; docs/algorithms.md shows how each
+/// knows only the fixed window, the default; docs/configuration.md (Algorithms) shows how each
 /// admits a burst and what `currentCredit` and `nextResetSeconds` mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
