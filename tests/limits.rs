@@ -389,8 +389,10 @@ fn a_panic_in_one_connection_closes_only_that_connection() {
         // The panicking connection is closed; its batch gets no answer.
         assert_eq!(server.converse(b"QUERY x=1\n"), "");
     }
-    // Same thread, same stripe lock: everything still works and counts.
-    assert_eq!(request(&mut bystander, "HIT op=a u=1"), "OK true 999998 60");
+    // Same thread, same stripe lock: everything still works and counts (the
+    // panic hook may print a slow backtrace, so the window's seconds may tick).
+    let answer = request(&mut bystander, "HIT op=a u=1");
+    assert!(answer.starts_with("OK true 999998 "), "{answer}");
     let deadline = Instant::now() + Duration::from_secs(5);
     while engine.metrics.connections_open() != 1 {
         assert!(

@@ -4,6 +4,7 @@
 //! queue behind each other; at most `pipeline_max` requests are in flight
 //! before the connection stops reading (backpressure, not buffering).
 
+use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
 use crate::engine::{Engine, Outcome, Reply};
 use crate::protocol::split_line;
@@ -11,7 +12,6 @@ use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesOrdered, StreamExt};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -34,12 +34,10 @@ pub enum Ended {
 }
 
 struct Connection {
-    stream: TcpStream,
+    socket: ClientSocket,
     engine: Arc<Engine>,
     limits: Limits,
-    input: Vec<u8>,
-    /// Start of unconsumed bytes in `input`.
-    consumed: usize,
+    input: InputBuffer,
     output: Vec<u8>,
     pending: FuturesOrdered<BoxFuture<'static, Reply>>,
     /// An `ERR` was produced: stop executing, flush, close.
@@ -68,15 +66,19 @@ pub async fn serve(
     limits: Limits,
     shutdown: watch::Receiver<bool>,
 ) -> Ended {
-    let _ = stream.set_nodelay(true);
     engine.metrics.connection_opened();
     let _gauge = OpenConnectionGauge(Arc::clone(&engine));
+    let Ok(socket) = ClientSocket::new(stream) else {
+        return Ended::Io;
+    };
     let mut connection = Connection {
-        stream,
+        socket,
         engine: Arc::clone(&engine),
         limits,
-        input: Vec::with_capacity(READ_CHUNK_BYTES),
-        consumed: 0,
+        input: InputBuffer::new(
+            READ_CHUNK_BYTES,
+            limits.line_bytes_max.saturating_add(READ_CHUNK_BYTES),
+        ),
         output: Vec::with_capacity(READ_CHUNK_BYTES),
         pending: FuturesOrdered::new(),
         closing: false,
@@ -84,7 +86,11 @@ pub async fn serve(
         arrival: engine.arrival(),
         partial_line_since: None,
     };
-    connection.run(shutdown).await
+    let ended = connection.run(shutdown).await;
+    if ended == Ended::AfterError {
+        connection.socket.linger_close().await;
+    }
+    ended
 }
 
 impl Connection {
@@ -132,7 +138,7 @@ impl Connection {
                         self.push_reply(reply);
                     }
                 }
-                read = read_more(&mut self.stream, &mut self.input, &mut self.consumed), if can_read => {
+                read = self.socket.read(&mut self.input), if can_read => {
                     match read {
                         Ok(0) => self.input_done = true,
                         Ok(_) => self.arrival = self.engine.arrival(),
@@ -159,7 +165,7 @@ impl Connection {
     /// or an error ended the conversation.
     fn execute_buffered_lines(&mut self) {
         while !self.closing && self.pending.len() < self.limits.pipeline_max {
-            let unread = &self.input[self.consumed..];
+            let unread = self.input.unread();
             let Some((line, used)) = split_line(unread) else {
                 if unread.len() > self.limits.line_bytes_max {
                     self.fail_line_too_long();
@@ -171,15 +177,13 @@ impl Connection {
                 break;
             }
             let outcome = self.engine.execute(line, self.arrival);
-            self.consumed += used;
+            self.input.consume(used);
             match outcome {
                 Outcome::Now(reply) => self.queue_reply(reply),
                 Outcome::Later(future) => self.pending.push_back(future),
             }
         }
-        if self.consumed == self.input.len() {
-            self.input.clear();
-            self.consumed = 0;
+        if self.input.unread().is_empty() {
             self.partial_line_since = None;
         } else if self.partial_line_since.is_none() {
             self.partial_line_since = Some(tokio::time::Instant::now());
@@ -217,22 +221,8 @@ impl Connection {
     }
 
     async fn flush(&mut self) -> std::io::Result<()> {
-        self.stream.write_all(&self.output).await?;
+        self.socket.write_all(&self.output).await?;
         self.output.clear();
         Ok(())
     }
-}
-
-/// Reads more bytes into `input`, compacting consumed bytes first.
-async fn read_more(
-    stream: &mut TcpStream,
-    input: &mut Vec<u8>,
-    consumed: &mut usize,
-) -> std::io::Result<usize> {
-    if *consumed > 0 {
-        input.drain(..*consumed);
-        *consumed = 0;
-    }
-    input.reserve(READ_CHUNK_BYTES);
-    stream.read_buf(input).await
 }

@@ -8,6 +8,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod connection;
+pub mod socket;
 
 use crate::engine::Engine;
 use socket2::{Domain, Protocol, Socket, Type};
@@ -15,7 +16,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -222,15 +222,17 @@ impl Worker {
         loop {
             tokio::select! {
                 accepted = listener.accept() => {
-                    let Ok((mut stream, _peer)) = accepted else { continue };
+                    let Ok((stream, _peer)) = accepted else { continue };
                     let open = self.open_connections.fetch_add(1, Ordering::AcqRel) + 1;
                     let slot = ConnectionSlot(Arc::clone(&self.open_connections));
                     if open > limits.connections_max {
                         self.engine.metrics.connection_refused();
                         connections.spawn_local(async move {
                             let _slot = slot;
-                            let _ = stream.write_all(b"ERR unknown \"too many connections\"\n").await;
-                            let _ = stream.shutdown().await;
+                            if let Ok(socket) = socket::ClientSocket::new(stream) {
+                                let _ = socket.write_all(b"ERR unknown \"too many connections\"\n").await;
+                                socket.linger_close().await;
+                            }
                         });
                         continue;
                     }
