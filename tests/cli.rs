@@ -213,3 +213,15 @@ fn port_environment_variable_sets_the_port() {
         "OK true 999 60"
     );
 }
+
+#[test]
+fn a_second_server_on_the_same_port_is_refused() {
+    let first = serve(&["--listen", "127.0.0.1:0", "--threads", "2"], &[]);
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", &first.addr.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("already in use"), "{stderr}");
+}

@@ -24,7 +24,7 @@ use super::proto::{decode_request, encode_response, Command, DecodeError};
 use super::Buckets;
 use crate::clock::Clock;
 use crate::limiter::droplet_bucket::Balances;
-use crate::server::bind_reuseport;
+use crate::server::{bind_reuseport, refuse_if_in_use};
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -132,6 +132,7 @@ impl DropletServer {
         buckets: Arc<Buckets>,
         clock: Arc<dyn Clock>,
     ) -> std::io::Result<DropletServer> {
+        refuse_if_in_use(config.listen)?;
         let first = bind_reuseport(config.listen)?;
         let local_addr = first.local_addr()?;
         let mut listeners = vec![first];

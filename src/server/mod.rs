@@ -82,6 +82,19 @@ pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener
     Ok(socket.into())
 }
 
+/// `SO_REUSEPORT` would let a second server on the same port silently share
+/// its traffic; a plain bind first makes "address in use" an error again.
+pub fn refuse_if_in_use(addr: SocketAddr) -> std::io::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    let probe = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    probe.set_reuse_address(true)?;
+    probe.bind(&addr.into()).map_err(|error| {
+        std::io::Error::new(error.kind(), format!("{addr} is already in use: {error}"))
+    })
+}
+
 /// A server whose listeners are bound (so its address is known, port 0
 /// included) but which is not serving yet.
 pub struct Server {
@@ -128,6 +141,7 @@ impl RunningServer {
 impl Server {
     pub fn bind(config: ServerConfig, engine: Arc<Engine>) -> std::io::Result<Server> {
         let threads = config.threads.max(1);
+        refuse_if_in_use(config.listen)?;
         let first = bind_reuseport(config.listen)?;
         let local_addr = first.local_addr()?;
         let mut listeners = vec![first];
