@@ -8,6 +8,13 @@ cd "$(dirname "$0")/.."
 npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
 cargo test --workspace --all-targets
 
+# The soak in its short form, on the binaries the tests just built: a thousand
+# connections and up to a million actors for 15 s; no errors, steady
+# throughput, bounded memory (loadtest/soak.sh states the checks; its long
+# form is for operators, see docs/operations.md).
+SKIP_BUILD=1 TOLLGATE_BIN=target/debug/tollgate LOADTEST_BIN=target/debug/tollgate-loadtest \
+  SOAK_SECONDS="${SOAK_SECONDS:-15}" SOAK_CONNECTIONS="${SOAK_CONNECTIONS:-1000}" loadtest/soak.sh
+
 # Coverage-guided fuzzing, briefly, when cargo-fuzz is installed (.ci/run
 # installs it). Each target starts from a scratch copy of its seed corpus.
 if cargo fuzz --version >/dev/null 2>&1; then

@@ -10,9 +10,15 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use serde::Serialize;
 
+use crate::droplet::BucketTemplate;
+
 /// The template used when `--template` is not given: it matches the per-IP cookie rule of divvy's
 /// example configuration (3 hits per hour per `ip`), which Tollgate embeds as its default rules.
 pub const DEFAULT_TEMPLATE: &str = "method=GET path=/pantry/cookies/chocolate-chip ip={actor}";
+
+/// The template of `--protocol take` and `--protocol droplet` when `--template` is not given: one
+/// bucket per actor, 1000 tokens per second and 50000 per minute.
+pub const DEFAULT_BUCKET_TEMPLATE: &str = "bucket={actor} ls=1000 lm=50000";
 
 /// The rule operation used in Redis keys when `--redis-operation` is not given: the cookie rule's
 /// operation with its keys sorted, as divvy writes it.
@@ -35,6 +41,41 @@ pub enum Protocol {
     RespIncr,
     /// Redis RESP `EVALSHA` of divvy's fixed-window Lua script (what divvy itself runs per hit).
     RespScript,
+    /// Tollgate's droplet buckets on the line protocol: `TAKE <template>\n`, answers
+    /// `OK true|false [l?=<balance> ...]` or `ERR ...` (after which the server closes).
+    Take,
+    /// droplet's protocol: a WebSocket upgrade per connection, then one masked binary frame per
+    /// request carrying a protobuf `Droplet.Request` built from the template; answers are binary
+    /// frames with a `Droplet.Response` (a close frame counts as an error).
+    Droplet,
+}
+
+impl Protocol {
+    /// The name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Divvy => "divvy",
+            Protocol::RespIncr => "resp-incr",
+            Protocol::RespScript => "resp-script",
+            Protocol::Take => "take",
+            Protocol::Droplet => "droplet",
+        }
+    }
+
+    /// The server closes the connection after an error answer (so the generator reconnects).
+    pub fn closes_after_error(self) -> bool {
+        matches!(self, Protocol::Divvy | Protocol::Take | Protocol::Droplet)
+    }
+
+    /// Speaks droplet's token buckets (`--template` in `bucket=... ls=...` form).
+    pub fn uses_buckets(self) -> bool {
+        matches!(self, Protocol::Take | Protocol::Droplet)
+    }
+
+    /// Speaks Redis.
+    pub fn is_resp(self) -> bool {
+        matches!(self, Protocol::RespIncr | Protocol::RespScript)
+    }
 }
 
 /// How actors are drawn for each request.
@@ -47,7 +88,8 @@ pub enum Distribution {
     Zipf,
 }
 
-/// Load generator for divvy-protocol servers (Tollgate, divvy) and for Redis.
+/// Load generator for divvy-protocol servers (Tollgate, divvy), droplet's token buckets (as `TAKE`
+/// lines or protobuf over WebSocket) and Redis.
 ///
 /// Closed loop by default: every connection keeps `--pipeline` requests in flight. With `--rate` it
 /// runs open loop: requests are due on a fixed schedule and their latency is measured from the time
@@ -69,7 +111,9 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
 
-    /// TCP connections in total, spread round-robin over the threads.
+    /// TCP connections in total, spread round-robin over the threads. Each needs a file descriptor:
+    /// the generator raises its soft `ulimit -n` up to the hard limit as needed, and refuses to start
+    /// when even that is too low. Connections are opened at most 256 at a time per thread.
     #[arg(long, default_value_t = 64)]
     pub connections: usize,
 
@@ -101,7 +145,8 @@ pub struct Args {
     #[arg(long, default_value_t = 2.0)]
     pub drain_secs: f64,
 
-    /// Seconds to wait for every connection to be established before the run starts.
+    /// Seconds to wait for every connection to be established (and, for droplet, upgraded to
+    /// WebSocket) before the run starts.
     #[arg(long, default_value_t = 5.0)]
     pub connect_timeout_secs: f64,
 
@@ -122,9 +167,15 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0)]
     pub zipf_exponent: f64,
 
-    /// divvy request after `HIT `, with `{actor}` replaced by the actor's name.
-    #[arg(long, default_value = DEFAULT_TEMPLATE)]
-    pub template: String,
+    /// The request, with `{actor}` replaced by the actor's name. divvy: what follows `HIT ` [default:
+    /// `method=GET path=/pantry/cookies/chocolate-chip ip={actor}`]. take: what follows `TAKE `, sent
+    /// as given; droplet: the same words, translated into protobuf fields [default for both:
+    /// `bucket={actor} ls=1000 lm=50000`]. droplet's words (and take's, for --check): bucket
+    /// (required), id, count, reset, ls, lm, lh, ld, lw, lo (limits per second, minute, hour, day,
+    /// week, 30 days), and for droplet also type (take or query); `{actor}` may stand in bucket and
+    /// id.
+    #[arg(long)]
+    pub template: Option<String>,
 
     /// Seed of the per-connection random generators (the actor sequence of connection i depends only
     /// on the seed and i).
@@ -147,7 +198,10 @@ pub struct Args {
 
     /// Check the answers: no actor may be allowed more than `--check-limit` times per window of
     /// `--check-window-secs` (divvy's fixed windows, aligned at the hit that opened them). Violations
-    /// are reported and make the exit status 3. Not available with resp-incr.
+    /// are reported and make the exit status 3. Not available with resp-incr. With take and droplet
+    /// it checks the token-bucket bound instead: over any t seconds, a bucket admits at most
+    /// `limit + limit * t / period` tokens for every period the template gives (its limits, not
+    /// `--check-limit`; the template must take a positive count and not reset).
     #[arg(long)]
     pub check: bool,
 
@@ -158,6 +212,14 @@ pub struct Args {
     /// Window length in seconds for `--check` (default: `--reset-seconds`).
     #[arg(long)]
     pub check_window_secs: Option<f64>,
+
+    /// Write one JSON line per second of the run to FILE (from the moment every connection is up):
+    /// `elapsed_secs`, `interval_secs`, `phase` (warmup, measure or drain), `requests` and `errors`
+    /// answered in the interval, `throughput_per_sec`, the running totals `requests_total` and
+    /// `errors_total`, and `unix_time_secs` (wall clock, to line up with other samples). Each line
+    /// is flushed as it is written, so the file can be followed live.
+    #[arg(long, value_name = "FILE")]
+    pub interval_json: Option<PathBuf>,
 
     /// Write the results (and this configuration) as JSON to FILE.
     #[arg(long, value_name = "FILE")]
@@ -227,15 +289,49 @@ impl Args {
         if self.actor_prefix.contains(['\r', '\n']) {
             bail!("--actor-prefix must be a single line");
         }
-        if self.template.contains('\n') || self.template.contains('\r') {
+        if self.template().contains(['\r', '\n']) {
             bail!("--template must be a single line");
         }
-        if self.protocol != Protocol::Divvy && self.redis_operation.contains(['\r', '\n']) {
+        // A TAKE template is sent as it is (the server judges it); a droplet one must translate.
+        if self.protocol == Protocol::Droplet {
+            let template = self.bucket_template()?;
+            if self.actor_prefix.len() + template.bucket.len() + template.id.len() > 16 * 1024 {
+                bail!("--template and --actor-prefix make droplet requests larger than 16 KiB");
+            }
+        }
+        if self.protocol.is_resp() && self.redis_operation.contains(['\r', '\n']) {
             bail!("--redis-operation must be a single line");
         }
         if self.check {
             if self.protocol == Protocol::RespIncr {
-                bail!("--check needs allowed/denied answers: use --protocol divvy or resp-script");
+                bail!(
+                    "--check needs allowed/denied answers: use --protocol divvy, resp-script, \
+                     take or droplet"
+                );
+            }
+            if self.protocol.uses_buckets() {
+                let t = self.bucket_template()?;
+                let p = self.protocol.name();
+                if t.given_limits().is_empty() {
+                    bail!(
+                        "--check with --protocol {p}: the template gives no limit (ls=, lm=, ...)"
+                    );
+                }
+                // droplet's default count is 1.
+                let positive_count = matches!(t.count, None | Some(1..));
+                if !positive_count || t.reset == Some(true) || t.kind.unwrap_or(0) != 0 {
+                    bail!(
+                        "--check with --protocol {p}: the template must take a positive count, \
+                         without reset=true or type=query"
+                    );
+                }
+                if self.check_limit.is_some() || self.check_window_secs.is_some() {
+                    bail!(
+                        "--check-limit and --check-window-secs are for fixed windows; with \
+                         --protocol {p} the template's limits are checked"
+                    );
+                }
+                return Ok(());
             }
             if self.check_limit() < 0 {
                 bail!("--check-limit must be >= 0");
@@ -246,6 +342,21 @@ impl Args {
             }
         }
         Ok(())
+    }
+
+    /// The template in effect: `--template`, or the protocol's default.
+    pub fn template(&self) -> &str {
+        match (&self.template, self.protocol.uses_buckets()) {
+            (Some(t), _) => t,
+            (None, true) => DEFAULT_BUCKET_TEMPLATE,
+            (None, false) => DEFAULT_TEMPLATE,
+        }
+    }
+
+    /// The template parsed as bucket words (take and droplet).
+    pub fn bucket_template(&self) -> Result<BucketTemplate> {
+        BucketTemplate::parse(self.template(), self.protocol == Protocol::Droplet)
+            .with_context(|| format!("--template {:?}", self.template()))
     }
 
     /// The limit `--check` enforces.

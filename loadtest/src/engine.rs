@@ -1,8 +1,11 @@
 //! The event loop: one mio `Poll` per thread driving that thread's connections. It owns connecting and
-//! reconnecting, the closed-loop refill (keep `pipeline` requests in flight) and the open-loop schedule
-//! (requests due at fixed times, queued when a connection's pipeline is full, latency measured from the
-//! due time), reading and parsing answers, and recording them into the thread's histogram, counters
-//! and (for `--check`) list of allowed hits.
+//! reconnecting (paced: at most [`CONNECTS_PENDING_MAX`] connects under way per thread while the run
+//! starts; running out of file descriptors or local ports is a clear error, not a timeout), the
+//! WebSocket upgrade of droplet connections, the closed-loop refill (keep `pipeline` requests in
+//! flight) and the open-loop schedule (requests due at fixed times, queued when a connection's
+//! pipeline is full, latency measured from the due time), reading and parsing answers (and answering
+//! a WebSocket ping), and recording them into the thread's histogram, counters and (for `--check`)
+//! list of allowed hits.
 //!
 //! The steady path does not allocate: request bytes are copied from the shared request table into a
 //! reused write buffer, answers are parsed in place in a reused read buffer, and the per-connection
@@ -24,7 +27,10 @@ use rand::rngs::SmallRng;
 use crate::check::AllowedHit;
 use crate::config::Protocol;
 use crate::timer::{tighten_timer_slack, Timer};
-use crate::wire::{parse_divvy, parse_resp, Parse, Reply, RespMode};
+use crate::websocket::{
+    handshake_key, handshake_request, parse_handshake, push_client_frame, Handshake, OPCODE_PONG,
+};
+use crate::wire::{parse_divvy, parse_droplet, parse_resp, parse_take, Parse, Reply, RespMode};
 use crate::workload::{connection_rng, Picker, RequestTable};
 
 /// Bytes of read buffer per connection (an answer line is far shorter).
@@ -40,6 +46,10 @@ const TICK_NS: u64 = 50_000_000;
 const SPIN_NS: u64 = 2_000;
 /// Token of the schedule timer (connection tokens are their local indexes).
 const TIMER: Token = Token(usize::MAX - 1);
+/// While the run starts, most connects (TCP, and the WebSocket upgrade for droplet) under way at
+/// once per thread: thousands of simultaneous SYNs overflow a server's accept backlog, and a dropped
+/// SYN costs a one-second retransmission.
+pub const CONNECTS_PENDING_MAX: usize = 256;
 
 /// What every thread of one run shares (read-only, apart from the progress counters).
 pub struct RunShared {
@@ -54,12 +64,16 @@ pub struct RunShared {
     pub errors: AtomicU64,
     /// Set by a thread that failed to connect, so the others give up too.
     pub abort: AtomicBool,
+    /// When the run proper started (every connection up), in ns since base; 0 until then.
+    pub started_ns: AtomicU64,
 }
 
 /// The run's parameters, in the units the loop uses.
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub addr: SocketAddr,
+    /// The target as given (the `Host` of the WebSocket upgrade).
+    pub host: String,
     pub protocol: Protocol,
     pub resp_mode: RespMode,
     pub threads: usize,
@@ -154,6 +168,10 @@ struct Ctx<'a> {
     budget_left: u64,
     /// The run proper has begun (so closes count as reconnects).
     started: bool,
+    /// Why the last connect or upgrade failed (for the error when not every connection came up).
+    last_connect_error: Option<String>,
+    /// A connect failed in a way retrying cannot mend (no file descriptors, no local ports).
+    fatal: Option<String>,
     /// Connections currently without a socket.
     closed: usize,
     answered: u64,
@@ -170,11 +188,28 @@ impl Ctx<'_> {
     }
 }
 
+/// Where a connection is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// No socket: not opened yet, or closed and waiting for its backoff.
+    Closed,
+    /// The TCP connect is under way.
+    Connecting,
+    /// droplet: the upgrade request is written and its answer awaited.
+    Upgrading,
+    /// Requests may be sent.
+    Ready,
+}
+
 struct Conn {
     id: usize,
     token: Token,
     sock: Option<TcpStream>,
-    connected: bool,
+    stage: Stage,
+    /// `Sec-WebSocket-Key` of the upgrade under way (droplet).
+    ws_key: String,
+    /// Upgrades attempted (each uses a fresh key).
+    upgrades: u64,
     rbuf: Box<[u8]>,
     rlo: usize,
     rhi: usize,
@@ -200,7 +235,9 @@ impl Conn {
             id,
             token: Token(local),
             sock: None,
-            connected: false,
+            stage: Stage::Closed,
+            ws_key: String::new(),
+            upgrades: 0,
             rbuf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
             rlo: 0,
             rhi: 0,
@@ -227,12 +264,22 @@ impl Conn {
                 {
                     Ok(()) => {
                         self.sock = Some(s);
+                        self.stage = Stage::Connecting;
                         ctx.closed -= 1;
                     }
-                    Err(_) => self.retry_later(now),
+                    Err(e) => {
+                        ctx.last_connect_error = Some(format!("registering a socket: {e}"));
+                        self.retry_later(now);
+                    }
                 }
             }
-            Err(_) => self.retry_later(now),
+            Err(e) => {
+                if let Some(why) = fatal_connect_error(&e) {
+                    ctx.fatal.get_or_insert(why);
+                }
+                ctx.last_connect_error = Some(e.to_string());
+                self.retry_later(now);
+            }
         }
     }
 
@@ -250,7 +297,7 @@ impl Conn {
                 ctx.counts.reconnects += 1;
             }
         }
-        self.connected = false;
+        self.stage = Stage::Closed;
         for p in self.inflight.drain(..) {
             if !p.control && ctx.in_window(p.due_ns) {
                 ctx.counts.unanswered += 1;
@@ -265,27 +312,100 @@ impl Conn {
         self.retry_later(now);
     }
 
-    /// A connect finished (or failed).
+    /// An event on a connection that is not ready yet: the connect finished (or failed), or, for
+    /// droplet, the upgrade's answer arrived.
     fn on_connect_event(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) {
+        match self.stage {
+            Stage::Connecting => self.on_connected(ctx, registry, now),
+            Stage::Upgrading => {
+                self.flush(ctx, registry, now);
+                if self.stage == Stage::Upgrading {
+                    self.read_upgrade(ctx, registry, now);
+                }
+            }
+            Stage::Closed | Stage::Ready => {}
+        }
+    }
+
+    fn on_connected(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) {
         let Some(s) = self.sock.as_ref() else { return };
-        let failed = !matches!(s.take_error(), Ok(None));
-        if !failed {
-            match s.peer_addr() {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotConnected => return, // still connecting
-                Err(_) => {
+        match s.take_error() {
+            Ok(None) => {}
+            Ok(Some(e)) | Err(e) => {
+                ctx.last_connect_error = Some(e.to_string());
+                self.close(ctx, registry, now);
+                return;
+            }
+        }
+        match s.peer_addr() {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => return, // still connecting
+            Err(e) => {
+                ctx.last_connect_error = Some(e.to_string());
+                self.close(ctx, registry, now);
+                return;
+            }
+        }
+        let _ = s.set_nodelay(true);
+        let plan = &ctx.shared.plan;
+        if plan.protocol == Protocol::Droplet {
+            self.ws_key = handshake_key(plan.seed, self.id, self.upgrades);
+            self.upgrades += 1;
+            self.wbuf
+                .extend_from_slice(&handshake_request(&plan.host, &self.ws_key));
+            self.stage = Stage::Upgrading;
+            self.flush(ctx, registry, now);
+            return;
+        }
+        self.stage = Stage::Ready;
+        if plan.script_load.is_some() {
+            self.push_script_load(ctx, now);
+        }
+    }
+
+    /// Read the upgrade's answer; on `101`, the connection is ready (bytes after the answer stay in
+    /// the read buffer and are handled as answers).
+    fn read_upgrade(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) {
+        loop {
+            let Some(s) = self.sock.as_mut() else { return };
+            match s.read(&mut self.rbuf[self.rhi..]) {
+                Ok(0) => {
+                    ctx.last_connect_error = Some(
+                        "the server closed the connection during the WebSocket upgrade".into(),
+                    );
+                    self.close(ctx, registry, now);
+                    return;
+                }
+                Ok(k) => {
+                    self.rhi += k;
+                    match parse_handshake(&self.rbuf[..self.rhi], &self.ws_key) {
+                        Handshake::Incomplete => {}
+                        Handshake::Accepted(used) => {
+                            self.rlo = used;
+                            self.stage = Stage::Ready;
+                            if self.rlo < self.rhi {
+                                self.handle_answers(ctx, registry, now);
+                            } else {
+                                self.rlo = 0;
+                                self.rhi = 0;
+                            }
+                            return;
+                        }
+                        Handshake::Refused(why) => {
+                            ctx.last_connect_error = Some(why);
+                            self.close(ctx, registry, now);
+                            return;
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    ctx.last_connect_error = Some(e.to_string());
                     self.close(ctx, registry, now);
                     return;
                 }
             }
-        } else {
-            self.close(ctx, registry, now);
-            return;
-        }
-        let _ = s.set_nodelay(true);
-        self.connected = true;
-        if ctx.shared.plan.script_load.is_some() {
-            self.push_script_load(ctx, now);
         }
     }
 
@@ -307,7 +427,7 @@ impl Conn {
 
     /// Put requests on the wire up to the pipeline depth, then write.
     fn fill(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) {
-        if !self.connected {
+        if self.stage != Stage::Ready {
             return;
         }
         let shared = ctx.shared;
@@ -418,9 +538,24 @@ impl Conn {
             let buf = &self.rbuf[self.rlo..self.rhi];
             let parsed = match plan.protocol {
                 Protocol::Divvy => parse_divvy(buf),
-                _ => parse_resp(buf, plan.resp_mode),
+                Protocol::Take => parse_take(buf),
+                Protocol::Droplet => parse_droplet(buf),
+                Protocol::RespIncr | Protocol::RespScript => parse_resp(buf, plan.resp_mode),
             };
             let (used, reply) = match parsed {
+                Parse::Control { used, ping } => {
+                    if let Some(payload) = ping {
+                        push_client_frame(&mut self.wbuf, OPCODE_PONG, &buf[payload]);
+                        self.rlo += used;
+                        self.flush(ctx, registry, now);
+                        if self.sock.is_none() {
+                            return false;
+                        }
+                    } else {
+                        self.rlo += used;
+                    }
+                    continue;
+                }
                 Parse::Incomplete => {
                     if self.rlo == self.rhi {
                         self.rlo = 0;
@@ -485,8 +620,9 @@ impl Conn {
                     if recorded {
                         ctx.counts.errors += 1;
                     }
-                    if plan.protocol == Protocol::Divvy {
-                        // The server closes after an ERR; nothing after it was executed.
+                    if plan.protocol.closes_after_error() {
+                        // The server closes after an ERR (or droplet's close frame); nothing after
+                        // it was executed.
                         self.close(ctx, registry, now);
                         self.retry_at_ns = now;
                         return false;
@@ -505,6 +641,36 @@ impl Conn {
             }
         }
     }
+}
+
+/// A connect error that retrying cannot mend, explained; `None` for the others.
+fn fatal_connect_error(e: &io::Error) -> Option<String> {
+    #[cfg(target_os = "linux")]
+    match e.raw_os_error() {
+        Some(libc::EMFILE) => {
+            let soft = crate::fd_limit::soft_limit()
+                .map_or_else(|| "unknown".to_string(), |n| n.to_string());
+            return Some(format!(
+                "out of file descriptors ({e}): raise `ulimit -n` (the soft limit is {soft}) or use \
+                 fewer --connections"
+            ));
+        }
+        Some(libc::ENFILE) => {
+            return Some(format!(
+                "the system is out of file descriptors ({e}): raise fs.file-max or use fewer \
+                 --connections"
+            ))
+        }
+        Some(libc::EADDRNOTAVAIL) => {
+            return Some(format!(
+                "out of local ports ({e}): widen net.ipv4.ip_local_port_range or use fewer \
+                 --connections"
+            ))
+        }
+        _ => {}
+    }
+    let _ = e;
+    None
 }
 
 trait SeqExt {
@@ -572,28 +738,41 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
         sending: false,
         budget_left: conns.iter().fold(0u64, |a, c| a.saturating_add(c.budget)),
         started: false,
+        last_connect_error: None,
+        fatal: None,
         closed: conns.len(),
         answered: 0,
         errors: 0,
     };
     let mut timer = Timer::new(poll.registry(), TIMER)?;
 
-    // Phase 1: connect everything (bounded), then start together with the other threads.
-    let now = ctx.now();
-    let deadline = now + plan.connect_timeout_ns;
-    for c in conns.iter_mut() {
-        c.connect(&mut ctx, poll.registry(), now);
-    }
+    // Phase 1: connect everything (paced, bounded in time), then start together with the other
+    // threads.
+    let deadline = ctx.now() + plan.connect_timeout_ns;
     let mut failure = None;
     loop {
         let now = ctx.now();
-        if conns.iter().all(|c| c.connected) {
+        if conns.iter().all(|c| c.stage == Stage::Ready) {
+            break;
+        }
+        if let Some(why) = ctx.fatal.take() {
+            let up = conns.iter().filter(|c| c.stage == Stage::Ready).count();
+            failure = Some(anyhow!(
+                "cannot open a connection to {} ({up} of this thread's {} are up): {why}",
+                plan.addr,
+                conns.len()
+            ));
+            shared.abort.store(true, Ordering::Relaxed);
             break;
         }
         if now >= deadline || shared.abort.load(Ordering::Relaxed) {
-            let up = conns.iter().filter(|c| c.connected).count();
+            let up = conns.iter().filter(|c| c.stage == Stage::Ready).count();
+            let why = match &ctx.last_connect_error {
+                Some(e) => format!(" (last failure: {e})"),
+                None => String::new(),
+            };
             failure = Some(anyhow!(
-                "only {up} of {} connections to {} were established within {:.1} s",
+                "only {up} of {} connections to {} were established within {:.1} s{why}",
                 conns.len(),
                 plan.addr,
                 plan.connect_timeout_ns as f64 / 1e9
@@ -601,9 +780,19 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
             shared.abort.store(true, Ordering::Relaxed);
             break;
         }
+        let mut pending = conns
+            .iter()
+            .filter(|c| matches!(c.stage, Stage::Connecting | Stage::Upgrading))
+            .count();
         for c in conns.iter_mut() {
+            if pending >= CONNECTS_PENDING_MAX {
+                break;
+            }
             if c.sock.is_none() && c.retry_at_ns <= now {
                 c.connect(&mut ctx, poll.registry(), now);
+                if c.sock.is_some() {
+                    pending += 1;
+                }
             }
         }
         let wait = (deadline - now).min(10_000_000);
@@ -611,7 +800,7 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
         let now = ctx.now();
         for ev in events.iter() {
             if let Some(c) = conns.get_mut(ev.token().0) {
-                if !c.connected {
+                if c.stage != Stage::Ready {
                     c.on_connect_event(&mut ctx, poll.registry(), now);
                 }
             }
@@ -627,6 +816,10 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
 
     // Phase 2: the run.
     let start_ns = ctx.now();
+    let _ =
+        shared
+            .started_ns
+            .compare_exchange(0, start_ns.max(1), Ordering::AcqRel, Ordering::Relaxed);
     ctx.warm_end_ns = start_ns + plan.warmup_ns;
     ctx.meas_end_ns = ctx.warm_end_ns + plan.duration_ns;
     let drain_end_ns = ctx.meas_end_ns + plan.drain_ns;
@@ -736,10 +929,10 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
             if c.sock.is_none() {
                 continue;
             }
-            if !c.connected {
+            if c.stage != Stage::Ready {
                 let now = ctx.now();
                 c.on_connect_event(&mut ctx, poll.registry(), now);
-                if c.connected {
+                if c.stage == Stage::Ready {
                     c.fill(&mut ctx, poll.registry(), now);
                 }
                 continue;
@@ -751,7 +944,7 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
                     ev.is_read_closed() || ev.is_error(),
                 );
             }
-            if ev.is_writable() && c.connected {
+            if ev.is_writable() && c.stage == Stage::Ready {
                 let now = ctx.now();
                 c.flush(&mut ctx, poll.registry(), now);
                 c.fill(&mut ctx, poll.registry(), now);

@@ -9,7 +9,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use crate::check::{CheckOutcome, Violation};
-use crate::config::{Args, Protocol};
+use crate::config::Args;
 
 /// Latency figures in microseconds.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -77,11 +77,7 @@ impl Report {
 
     /// The protocol's name as on the command line.
     pub fn protocol_name(&self) -> &'static str {
-        match self.config.protocol {
-            Protocol::Divvy => "divvy",
-            Protocol::RespIncr => "resp-incr",
-            Protocol::RespScript => "resp-script",
-        }
+        self.config.protocol.name()
     }
 
     /// The human-readable table printed at the end of a run.
@@ -121,10 +117,20 @@ impl Report {
         let _ = writeln!(t, "           p99.9 {:>10.1}", l.p999);
         let _ = writeln!(t, "             max {:>10.1}", l.max);
         if let Some(ch) = &self.check {
+            let limits = if ch.periods.is_empty() {
+                format!("limit {} per {} s", ch.limit, ch.window_secs)
+            } else {
+                let each: Vec<String> = ch
+                    .periods
+                    .iter()
+                    .map(|p| format!("{} per {} s", p.limit, p.period_ms as f64 / 1e3))
+                    .collect();
+                format!("token buckets of {}", each.join(" and "))
+            };
             let _ = writeln!(
                 t,
-                "check        limit {} per {} s: {} allowed answers, {} actors checked, {} in violation",
-                ch.limit, ch.window_secs, ch.allowed_hits, ch.actors_checked, ch.violations
+                "check        {limits}: {} allowed answers, {} actors checked, {} in violation",
+                ch.allowed_hits, ch.actors_checked, ch.violations
             );
             for v in &ch.examples {
                 let _ = match v {
@@ -136,6 +142,17 @@ impl Report {
                     } => writeln!(
                         t,
                         "  actor {actor}: {allowed} allowed within {at_secs:.3} s of a window opening, at most {bound} possible"
+                    ),
+                    Violation::BucketOverrun {
+                        actor,
+                        allowed,
+                        bound,
+                        within_secs,
+                        period_secs,
+                    } => writeln!(
+                        t,
+                        "  actor {actor}: {allowed} takes accepted within {within_secs:.3} s, \
+                         at most {bound} possible (the {period_secs} s limit)"
                     ),
                     Violation::CreditAboveLimit { actor, credit } => writeln!(
                         t,

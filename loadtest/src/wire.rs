@@ -1,9 +1,16 @@
-//! Answer parsing, incremental and allocation-free: divvy's `OK`/`ERR` lines and the subset of Redis
-//! RESP2 the generator meets (integers, bulk and simple strings, errors, arrays). Each parser looks at
-//! the unread bytes of a connection's buffer and says how many bytes one complete answer takes, or
-//! that more bytes are needed, or that the bytes are not a valid answer.
+//! Answer parsing, incremental and allocation-free: divvy's `OK`/`ERR` lines, `TAKE`'s
+//! `OK <accept> l?=<n> ...` lines, droplet's WebSocket frames carrying a protobuf `Droplet.Response`,
+//! and the subset of Redis RESP2 the generator meets (integers, bulk and simple strings, errors,
+//! arrays). Each parser looks at the unread bytes of a connection's buffer and says how many bytes
+//! one complete answer takes, or that more bytes are needed, or that the bytes are not a valid
+//! answer.
 
 use std::ops::Range;
+
+use crate::droplet::decode_response;
+use crate::websocket::{
+    parse_frame, FrameParse, OPCODE_BINARY, OPCODE_CLOSE, OPCODE_PING, OPCODE_PONG, OPCODE_TEXT,
+};
 
 /// The meaning of one answer, as far as the statistics care.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,17 +19,24 @@ pub enum Reply {
     Allowed { credit: i64 },
     /// The hit was denied.
     Denied,
-    /// An error answer. divvy closes the connection after one; `noscript` marks Redis's `NOSCRIPT`.
+    /// An error answer. divvy closes the connection after one (and so does droplet's endpoint: a
+    /// close frame is this answer); `noscript` marks Redis's `NOSCRIPT`.
     Error { noscript: bool },
     /// Any other well-formed answer (for example the SHA1 that `SCRIPT LOAD` returns).
     Other,
 }
 
 /// Result of looking for one answer at the start of a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Parse {
     /// One answer, taking this many bytes.
     Complete(usize, Reply),
+    /// A WebSocket control frame that answers no request, taking `used` bytes: a ping (to be
+    /// answered by a pong carrying the bytes at `ping` of the buffer), or a pong (`ping: None`).
+    Control {
+        used: usize,
+        ping: Option<Range<usize>>,
+    },
     /// Not enough bytes yet.
     Incomplete,
     /// Not a valid answer: the connection is out of step and must be dropped.
@@ -94,6 +108,94 @@ pub fn parse_divvy(buf: &[u8]) -> Parse {
         return Parse::Invalid;
     };
     Parse::Complete(nl + 1, reply)
+}
+
+/// One `TAKE` answer: `OK true|false` then zero or more ` l<s|m|h|d|w|o>=<integer>`, then `\n`; or
+/// `ERR <code> "<message>"\n`. The first balance stands in for the credit.
+pub fn parse_take(buf: &[u8]) -> Parse {
+    let Some(nl) = find_newline(buf) else {
+        return if buf.len() > 64 * 1024 {
+            Parse::Invalid
+        } else {
+            Parse::Incomplete
+        };
+    };
+    let mut line = &buf[..nl];
+    if let [rest @ .., b'\r'] = line {
+        line = rest;
+    }
+    let reply = if let Some(rest) = line.strip_prefix(b"OK ") {
+        let (allowed, mut rest) = if let Some(r) = rest.strip_prefix(b"true") {
+            (true, r)
+        } else if let Some(r) = rest.strip_prefix(b"false") {
+            (false, r)
+        } else {
+            return Parse::Invalid;
+        };
+        let mut first = None;
+        while !rest.is_empty() {
+            let [b' ', b'l', period, b'=', tail @ ..] = rest else {
+                return Parse::Invalid;
+            };
+            if !b"smhdwo".contains(period) {
+                return Parse::Invalid;
+            }
+            let end = tail.iter().position(|&c| c == b' ').unwrap_or(tail.len());
+            let Some(balance) = parse_i64(&tail[..end]) else {
+                return Parse::Invalid;
+            };
+            first.get_or_insert(balance);
+            rest = &tail[end..];
+        }
+        if allowed {
+            Reply::Allowed {
+                credit: first.unwrap_or(0),
+            }
+        } else {
+            Reply::Denied
+        }
+    } else if line.starts_with(b"ERR ") {
+        Reply::Error { noscript: false }
+    } else {
+        return Parse::Invalid;
+    };
+    Parse::Complete(nl + 1, reply)
+}
+
+/// One droplet answer: a binary frame holding a `Droplet.Response` (accept, then balances; the first
+/// balance stands in for the credit). A close frame is an error answer; a text frame or a binary one
+/// that is not a response is an unexpected answer; pings and pongs answer nothing.
+pub fn parse_droplet(buf: &[u8]) -> Parse {
+    let frame = match parse_frame(buf) {
+        FrameParse::Complete(frame) => frame,
+        FrameParse::Incomplete => return Parse::Incomplete,
+        FrameParse::Invalid(_) => return Parse::Invalid,
+    };
+    let reply = match frame.opcode {
+        OPCODE_BINARY => match decode_response(&buf[frame.payload]) {
+            Some(a) if a.accept => Reply::Allowed {
+                credit: i64::from(a.first_balance.unwrap_or(0)),
+            },
+            Some(_) => Reply::Denied,
+            None => Reply::Other,
+        },
+        OPCODE_TEXT => Reply::Other,
+        OPCODE_CLOSE => Reply::Error { noscript: false },
+        OPCODE_PING => {
+            return Parse::Control {
+                used: frame.used,
+                ping: Some(frame.payload),
+            }
+        }
+        OPCODE_PONG => {
+            return Parse::Control {
+                used: frame.used,
+                ping: None,
+            }
+        }
+        _ => return Parse::Invalid,
+    };
+    Parse::Complete(frame.used, reply)
 }
 
 /// One RESP element header or scalar.
@@ -253,6 +355,89 @@ mod tests {
         assert_eq!(parse_divvy(b"OK true 1\n"), Parse::Invalid);
         assert_eq!(parse_divvy(b"OK true x 1\n"), Parse::Invalid);
         assert_eq!(parse_divvy(b"HELLO\n"), Parse::Invalid);
+    }
+
+    #[test]
+    fn take_answers() {
+        assert_eq!(
+            parse_take(b"OK true ls=999 lm=49999\nOK"),
+            Parse::Complete(24, Reply::Allowed { credit: 999 })
+        );
+        assert_eq!(
+            parse_take(b"OK false ls=-1 lm=3\r\n"),
+            Parse::Complete(21, Reply::Denied)
+        );
+        assert_eq!(
+            parse_take(b"OK true\n"),
+            Parse::Complete(8, Reply::Allowed { credit: 0 })
+        );
+        assert_eq!(
+            parse_take(b"OK true lo=-2147483648\n"),
+            Parse::Complete(
+                23,
+                Reply::Allowed {
+                    credit: -2147483648
+                }
+            )
+        );
+        assert_eq!(
+            parse_take(b"ERR unknown \"TAKE needs bucket=<name>\"\n"),
+            Parse::Complete(39, Reply::Error { noscript: false })
+        );
+        assert_eq!(parse_take(b"OK true ls=9"), Parse::Incomplete);
+        for bad in [
+            &b"OK true 2 3600\n"[..],
+            b"OK truest\n",
+            b"OK true ls=\n",
+            b"OK true lx=1\n",
+            b"OK true ls=1 \n",
+            b"OK true  ls=1\n",
+            b"OK true ls=1x\n",
+            b"OK maybe\n",
+            b"HELLO\n",
+        ] {
+            assert_eq!(parse_take(bad), Parse::Invalid, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn droplet_answers() {
+        assert_eq!(
+            parse_droplet(b"\x82\x04\x08\x01\x10\x09\x82"),
+            Parse::Complete(6, Reply::Allowed { credit: 9 })
+        );
+        assert_eq!(
+            parse_droplet(b"\x82\x02\x08\x00"),
+            Parse::Complete(4, Reply::Denied)
+        );
+        assert_eq!(parse_droplet(b"\x82\x04\x08\x01\x10"), Parse::Incomplete);
+        assert_eq!(
+            parse_droplet(b"\x82\x02\x10\x01"),
+            Parse::Complete(4, Reply::Other)
+        );
+        assert_eq!(
+            parse_droplet(b"\x81\x02hi"),
+            Parse::Complete(4, Reply::Other)
+        );
+        assert_eq!(
+            parse_droplet(b"\x88\x02\x03\xe8"),
+            Parse::Complete(4, Reply::Error { noscript: false })
+        );
+        assert_eq!(
+            parse_droplet(b"\x89\x01z"),
+            Parse::Control {
+                used: 3,
+                ping: Some(2..3)
+            }
+        );
+        assert_eq!(
+            parse_droplet(b"\x8a\x00"),
+            Parse::Control {
+                used: 2,
+                ping: None
+            }
+        );
+        assert_eq!(parse_droplet(b"\x82\x82\0\0\0\0\x08\x01"), Parse::Invalid);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! What is sent: the table of preformatted request bytes (one entry per actor, built once before the
-//! run so the steady path only copies bytes), the actor picker (uniform or Zipf, driven by a seeded
-//! per-connection `SmallRng`), and divvy's fixed-window Lua script with the RESP framing around it.
+//! run so the steady path only copies bytes: divvy `HIT` and `TAKE` lines, RESP commands, and whole
+//! WebSocket frames for droplet, which the all-zero masking key makes the same on every send), the
+//! actor picker (uniform or Zipf, driven by a seeded per-connection `SmallRng`), and divvy's
+//! fixed-window Lua script with the RESP framing around it.
 
 use anyhow::{bail, Result};
 use rand::rngs::SmallRng;
@@ -8,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::Zipf;
 
 use crate::config::{Args, Distribution, Protocol};
+use crate::websocket::{push_client_frame, OPCODE_BINARY};
 
 /// divvy's fixed-window step, one atomic script per hit. KEYS[1] = counter key, ARGV[1] = creditLimit,
 /// ARGV[2] = resetSeconds. Answers `{allowed (1/0), credit left, TTL in seconds}`.
@@ -89,16 +92,32 @@ impl RequestTable {
         offsets.push(0);
         let limit = args.credit_limit.to_string();
         let reset = args.reset_seconds.to_string();
+        let template = args.template();
+        let bucket_template = match args.protocol {
+            Protocol::Droplet => Some(args.bucket_template()?),
+            _ => None,
+        };
         for i in 0..n {
             match args.protocol {
-                Protocol::Divvy => {
-                    bytes.extend_from_slice(b"HIT ");
+                Protocol::Divvy | Protocol::Take => {
+                    bytes.extend_from_slice(if args.protocol == Protocol::Divvy {
+                        b"HIT "
+                    } else {
+                        b"TAKE "
+                    });
                     bytes.extend_from_slice(
-                        args.template
+                        template
                             .replace("{actor}", &actor_name(&args.actor_prefix, i))
                             .as_bytes(),
                     );
                     bytes.push(b'\n');
+                }
+                Protocol::Droplet => {
+                    let Some(t) = bucket_template.as_ref() else {
+                        bail!("droplet needs a bucket template");
+                    };
+                    let request = t.encode_request(&actor_name(&args.actor_prefix, i));
+                    push_client_frame(&mut bytes, OPCODE_BINARY, &request);
                 }
                 Protocol::RespIncr => {
                     let key = redis_key(args, i);
@@ -208,6 +227,40 @@ mod tests {
         assert_eq!(t.len(), 3);
         assert_eq!(t.get(0), b"HIT ip=a0 x=a0\n");
         assert_eq!(t.get(2), b"HIT ip=a2 x=a2\n");
+    }
+
+    #[test]
+    fn take_requests_use_the_bucket_template() {
+        let a = args(&["--actors", "2", "--protocol", "take"]);
+        let t = RequestTable::build(&a, None).unwrap();
+        assert_eq!(t.get(1), b"TAKE bucket=a1 ls=1000 lm=50000\n");
+        let a = args(&[
+            "--actors",
+            "1",
+            "--protocol",
+            "take",
+            "--template",
+            "bucket=x{actor} lh=5",
+        ]);
+        let t = RequestTable::build(&a, None).unwrap();
+        assert_eq!(t.get(0), b"TAKE bucket=xa0 lh=5\n");
+    }
+
+    #[test]
+    fn droplet_requests_are_whole_masked_frames() {
+        let a = args(&[
+            "--actors",
+            "2",
+            "--protocol",
+            "droplet",
+            "--actor-prefix",
+            "b",
+        ]);
+        let t = RequestTable::build(&a, None).unwrap();
+        let payload = b"\x0a\x02b1\x12\x00\x28\xe8\x07\x30\xd0\x86\x03";
+        let mut frame = vec![0x82, 0x80 | payload.len() as u8, 0, 0, 0, 0];
+        frame.extend_from_slice(payload);
+        assert_eq!(t.get(1), frame);
     }
 
     #[test]
