@@ -10,7 +10,11 @@ use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
 fn resident_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
     pages * 4096
 }
 
@@ -20,7 +24,13 @@ fn main() {
     let counts: Vec<u64> = std::env::var("MEMORY_BENCH_COUNTS")
         .ok()
         .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
-        .unwrap_or_else(|| if quick { vec![10_000] } else { vec![1_000_000, 10_000_000] });
+        .unwrap_or_else(|| {
+            if quick {
+                vec![10_000]
+            } else {
+                vec![1_000_000, 10_000_000]
+            }
+        });
     if counts.len() > 1 {
         // One process per size, so memory freed by one run cannot flatter the next.
         for count in counts {
@@ -47,7 +57,9 @@ fn main() {
             key.clear();
             key.extend_from_slice(&7u32.to_le_bytes());
             // A realistic actor: an IPv4 address as text (7–15 bytes).
-            key.extend_from_slice(format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255).as_bytes());
+            key.extend_from_slice(
+                format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255).as_bytes(),
+            );
             key.extend_from_slice(&(i >> 24).to_le_bytes()[..1]);
             key_bytes += key.len() as u64;
             let _ = store.update(&key, now, |s| fixed_window_hit(s, quota, now));
