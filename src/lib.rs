@@ -13,6 +13,7 @@ pub mod clock;
 pub mod engine;
 pub mod limiter;
 pub mod metrics;
+pub mod observability;
 pub mod protocol;
 pub mod rules;
 pub mod server;
