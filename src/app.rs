@@ -5,6 +5,8 @@
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, UnavailablePolicy};
 use crate::metrics::Metrics;
+use crate::observability::health::Readiness;
+use crate::observability::{Observability, Observed};
 use crate::rules::RuleSet;
 use crate::server::{Limits, Server, ServerConfig};
 use crate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
@@ -84,6 +86,9 @@ pub struct ServeArgs {
     /// Log format on stderr (filter with RUST_LOG; DEBUG=divvy logs each rule).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub observability: crate::observability::ObservabilityArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
@@ -94,8 +99,10 @@ pub fn init_logging(format: LogFormat) {
             filter = filter.add_directive(directive);
         }
     }
+    use std::io::IsTerminal as _;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -129,13 +136,24 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let metrics = Metrics::new();
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
+    let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
     let engine = Arc::new(Engine::new(
         rules,
-        Arc::new(MemoryBackend { store }),
+        Arc::new(MemoryBackend {
+            store: Arc::clone(&store),
+        }),
         clock,
         metrics,
         args.unavailable_policy,
     ));
+    let observability = Observability::start(
+        &args.observability,
+        Observed {
+            engine: Arc::clone(&engine),
+            store: Some(store),
+            readiness,
+        },
+    )?;
     let config = ServerConfig {
         listen,
         threads,
@@ -151,15 +169,21 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Server::bind(config, engine).with_context(|| format!("cannot listen on {listen}"))?;
     let local_addr = server.local_addr();
     let running = server.spawn().context("cannot start serving threads")?;
+    observability.readiness().set_serving(true);
     println!(
         "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: memory, threads: {threads}"
     );
+    if let Some(url) = observability.metrics_url() {
+        println!("tollgate: serving Prometheus metrics at {url}, health at /healthz and /readyz");
+    }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
 
     wait_for_signal()?;
     tracing::info!("shutting down: draining connections");
+    observability.readiness().set_serving(false);
     running.stop();
+    observability.stop();
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }
