@@ -5,18 +5,17 @@
 //! `flush_interval_ms` the sender reads the same atomics Prometheus reads and
 //! sends what changed (`P.hit.accepted:57|c` is the statsd sum of 57 events of
 //! `P.hit.accepted:1|c`). Timers need each value, so each HIT's duration goes
-//! through a bounded lock-free queue; when it is full the value is dropped
-//! and counted, and the timings sent for that interval carry the sample rate
-//! (`|@0.5`) so that statsd still computes the right rate. Lines are packed
+//! through a bounded lock-free queue per serving thread ([`HitTimings`]);
+//! when it is full the value is dropped and counted, and the timings sent for
+//! that interval carry the sample rate (`|@0.5`) so that statsd still
+//! computes the right rate. Lines are packed
 //! several per UDP datagram (at most `datagram_bytes_max` bytes), or written
 //! newline-terminated on one TCP connection. Whatever cannot be sent (socket
 //! buffer full, sink refusing or unreachable) is dropped and counted in
-//! [`Metrics::statsd_dropped`], never retried or buffered.
+//! `tollgate_statsd_dropped_total`, never retried or buffered.
 
-use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES};
-use crossbeam_queue::ArrayQueue;
+use crate::metrics::{HitStatus, HitTimings, Metrics, StatsdDrop, ERROR_CODES};
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::sync::mpsc;
@@ -41,8 +40,11 @@ pub struct StatsdConfig {
     pub flush_interval_ms: u64,
     /// Largest UDP payload; lines are packed up to it.
     pub datagram_bytes_max: usize,
-    /// HIT timings buffered between flushes; more are dropped and counted.
+    /// HIT timings buffered between flushes, over all serving threads; more
+    /// are dropped and counted.
     pub timing_queue_len: usize,
+    /// Queues the timings are spread over (one per serving thread is best).
+    pub timing_queue_shards: usize,
     /// How long a TCP connect or write may block the sender thread.
     pub tcp_timeout_ms: u64,
     /// The kernel send buffer of the TCP connection: how much may wait for
@@ -61,6 +63,7 @@ impl StatsdConfig {
             flush_interval_ms: 500,
             datagram_bytes_max: 1400,
             timing_queue_len: 65_536,
+            timing_queue_shards: std::thread::available_parallelism().map_or(1, |n| n.get()),
             tcp_timeout_ms: 1_000,
             tcp_send_buffer_bytes: 64 * 1024,
         }
@@ -86,13 +89,16 @@ impl StatsdExporter {
         config: StatsdConfig,
         metrics: Arc<Metrics>,
     ) -> Result<StatsdExporter, StatsdError> {
-        let timings = Arc::new(ArrayQueue::new(config.timing_queue_len.max(1)));
+        let timings = Arc::new(HitTimings::new(
+            config.timing_queue_len.max(1),
+            config.timing_queue_shards.clamp(1, 256),
+        ));
         if !metrics.attach_hit_timings(Arc::clone(&timings)) {
             return Err(StatsdError::AlreadyAttached);
         }
         let (stop, stopped) = mpsc::channel();
         let mut sender = Sender {
-            lines: LineBuilder::new(&config.prefix),
+            lines: Lines::new(&config.prefix),
             sink: Sink::new(&config),
             config,
             metrics,
@@ -142,8 +148,8 @@ struct Snapshot {
 struct Sender {
     config: StatsdConfig,
     metrics: Arc<Metrics>,
-    timings: Arc<ArrayQueue<u32>>,
-    lines: LineBuilder,
+    timings: Arc<HitTimings>,
+    lines: Lines,
     sink: Sink,
     last: Snapshot,
 }
@@ -172,8 +178,8 @@ impl Sender {
         self.collect_counters();
         self.collect_timings();
         if !self.lines.is_empty() {
-            let lines = self.lines.take();
-            self.sink.send(&lines, &self.config, &self.metrics);
+            self.sink.send(&self.lines, &self.config, &self.metrics);
+            self.lines.clear();
         }
     }
 
@@ -189,15 +195,14 @@ impl Sender {
                 by_status[status as usize] += delta;
                 if delta > 0 && !label.is_empty() {
                     self.lines
-                        .counter(format_args!("hit.{}.{label}", status.as_str()), delta);
+                        .counter(&["hit.", status.as_str(), ".", &label], delta);
                 }
             }
         }
         for status in HitStatus::ALL {
             let delta = by_status[status as usize];
             if delta > 0 {
-                self.lines
-                    .counter(format_args!("hit.{}", status.as_str()), delta);
+                self.lines.counter(&["hit.", status.as_str()], delta);
             }
         }
         for code in ERROR_CODES {
@@ -205,8 +210,7 @@ impl Sender {
             let delta = now.wrapping_sub(self.last.errors[code as usize]);
             self.last.errors[code as usize] = now;
             if delta > 0 {
-                self.lines
-                    .counter(format_args!("error.{}", code.as_str()), delta);
+                self.lines.counter(&["error.", code.as_str()], delta);
             }
         }
         // divvy sent the gauge on every open and close: send it when any
@@ -224,104 +228,147 @@ impl Sender {
         let dropped_total = self.metrics.statsd_dropped_total(StatsdDrop::QueueFull);
         let dropped = dropped_total.wrapping_sub(self.last.timings_dropped);
         self.last.timings_dropped = dropped_total;
-        // Take at most what was queued now, so a flood cannot keep this loop
-        // from sending.
         let queued = self.timings.len();
+        // Written once per flush, appended to every timing line.
         let sample_rate = if dropped > 0 && queued > 0 {
-            Some(queued as f64 / (queued as u64 + dropped) as f64)
+            let rate = queued as f64 / (queued as u64 + dropped) as f64;
+            format!("|@{rate:.6}")
         } else {
-            None
+            String::new()
         };
-        for _ in 0..queued {
-            let Some(micros) = self.timings.pop() else {
-                break;
-            };
-            self.lines.timing("hit", micros, sample_rate);
-        }
+        let lines = &mut self.lines;
+        self.timings
+            .drain(|micros| lines.timing("hit", micros, &sample_rate));
     }
 }
 
-/// Builds statsd lines (`name:value|type`) with the prefix, without
-/// separators; packing into payloads is the sink's job.
-struct LineBuilder {
+/// Statsd lines (`name:value|type`, with the prefix) written one after
+/// another into one reusable buffer: no allocation or formatting machinery
+/// per line, as there is one timing line per HIT.
+struct Lines {
     /// `"P."`, or empty without a prefix.
-    prefix: String,
-    lines: Vec<String>,
+    prefix: Vec<u8>,
+    bytes: Vec<u8>,
+    /// Where each line ends in `bytes`.
+    ends: Vec<usize>,
 }
 
-impl LineBuilder {
-    fn new(prefix: &str) -> LineBuilder {
-        LineBuilder {
+impl Lines {
+    fn new(prefix: &str) -> Lines {
+        Lines {
             prefix: if prefix.is_empty() {
-                String::new()
+                Vec::new()
             } else {
-                format!("{prefix}.")
+                format!("{prefix}.").into_bytes()
             },
-            lines: Vec::new(),
+            bytes: Vec::with_capacity(64 * 1024),
+            ends: Vec::with_capacity(4 * 1024),
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.lines.is_empty()
+        self.ends.is_empty()
     }
 
-    fn take(&mut self) -> Vec<String> {
-        std::mem::take(&mut self.lines)
+    fn len(&self) -> usize {
+        self.ends.len()
     }
 
-    fn push(&mut self, name: std::fmt::Arguments<'_>, value: std::fmt::Arguments<'_>) {
-        let mut line = String::with_capacity(self.prefix.len() + 32);
-        line.push_str(&self.prefix);
-        let _ = write!(line, "{name}:{value}");
-        self.lines.push(line);
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.ends.clear();
     }
 
-    fn counter(&mut self, name: std::fmt::Arguments<'_>, delta: u64) {
-        self.push(name, format_args!("{delta}|c"));
+    fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts
+            .zip(self.ends.iter().copied())
+            .map(|(start, end)| &self.bytes[start..end])
+    }
+
+    fn name(&mut self, parts: &[&str]) {
+        self.bytes.extend_from_slice(&self.prefix);
+        for part in parts {
+            self.bytes.extend_from_slice(part.as_bytes());
+        }
+        self.bytes.push(b':');
+    }
+
+    fn end(&mut self) {
+        self.ends.push(self.bytes.len());
+    }
+
+    fn counter(&mut self, name: &[&str], delta: u64) {
+        self.name(name);
+        self.bytes
+            .extend_from_slice(itoa::Buffer::new().format(delta).as_bytes());
+        self.bytes.extend_from_slice(b"|c");
+        self.end();
     }
 
     fn gauge(&mut self, name: &str, value: i64) {
-        // A negative gauge value would read as a decrement in statsd.
-        self.push(format_args!("{name}"), format_args!("{}|g", value.max(0)));
+        self.name(&[name]);
+        // A signed gauge value would read as a change in statsd.
+        self.bytes
+            .extend_from_slice(itoa::Buffer::new().format(value.max(0)).as_bytes());
+        self.bytes.extend_from_slice(b"|g");
+        self.end();
     }
 
-    /// A timing in milliseconds with microsecond precision (`0.137|ms`).
-    fn timing(&mut self, name: &str, micros: u32, sample_rate: Option<f64>) {
-        let (ms, fraction) = (micros / 1000, micros % 1000);
-        match sample_rate {
-            None => self.push(
-                format_args!("{name}"),
-                format_args!("{ms}.{fraction:03}|ms"),
-            ),
-            Some(rate) => self.push(
-                format_args!("{name}"),
-                format_args!("{ms}.{fraction:03}|ms|@{rate:.6}"),
-            ),
-        }
+    /// A timing in milliseconds with microsecond precision (`0.137|ms`),
+    /// then `suffix` (a sample rate such as `|@0.5`, or nothing).
+    fn timing(&mut self, name: &str, micros: u32, suffix: &str) {
+        self.name(&[name]);
+        self.bytes
+            .extend_from_slice(itoa::Buffer::new().format(micros / 1000).as_bytes());
+        let fraction = micros % 1000;
+        self.bytes.extend_from_slice(&[
+            b'.',
+            b'0' + (fraction / 100) as u8,
+            b'0' + (fraction / 10 % 10) as u8,
+            b'0' + (fraction % 10) as u8,
+        ]);
+        self.bytes.extend_from_slice(b"|ms");
+        self.bytes.extend_from_slice(suffix.as_bytes());
+        self.end();
     }
 }
 
 /// Packs lines into payloads of at most `bytes_max` bytes, `\n` between
-/// lines. A single line longer than that travels alone.
-fn pack(lines: &[String], bytes_max: usize) -> Vec<(Vec<u8>, usize)> {
-    let mut payloads = Vec::new();
-    let mut payload: Vec<u8> = Vec::with_capacity(bytes_max);
+/// lines (and after the last one when `terminated`, as TCP needs), and hands
+/// each to `send` with its number of lines. A single line longer than the
+/// limit travels alone. Stops early when `send` returns `false`.
+fn pack(
+    lines: &Lines,
+    bytes_max: usize,
+    terminated: bool,
+    mut send: impl FnMut(&[u8], usize) -> bool,
+) {
+    let mut payload: Vec<u8> = Vec::with_capacity(bytes_max + 1);
     let mut count = 0;
-    for line in lines {
+    for line in lines.iter() {
         if count > 0 && payload.len() + 1 + line.len() > bytes_max {
-            payloads.push((std::mem::take(&mut payload), count));
+            if terminated {
+                payload.push(b'\n');
+            }
+            if !send(&payload, count) {
+                return;
+            }
+            payload.clear();
             count = 0;
         }
         if count > 0 {
             payload.push(b'\n');
         }
-        payload.extend_from_slice(line.as_bytes());
+        payload.extend_from_slice(line);
         count += 1;
     }
     if count > 0 {
-        payloads.push((payload, count));
+        if terminated {
+            payload.push(b'\n');
+        }
+        send(&payload, count);
     }
-    payloads
 }
 
 /// Where lines go: a UDP socket, or a TCP connection (re)made on demand.
@@ -351,7 +398,7 @@ impl Sink {
         }
     }
 
-    fn send(&mut self, lines: &[String], config: &StatsdConfig, metrics: &Metrics) {
+    fn send(&mut self, lines: &Lines, config: &StatsdConfig, metrics: &Metrics) {
         let dropped = match self {
             Sink::Udp(socket) => send_udp(socket, lines, config),
             Sink::Tcp {
@@ -361,7 +408,7 @@ impl Sink {
             } => send_tcp(stream, retry_at, backoff, lines, config),
         };
         if dropped > 0 {
-            metrics.statsd_dropped(StatsdDrop::SendFailed, dropped as u64);
+            metrics.statsd_send_failed(dropped as u64);
         }
     }
 }
@@ -377,7 +424,7 @@ fn resolve(config: &StatsdConfig) -> Option<SocketAddr> {
 }
 
 /// Returns how many lines were dropped.
-fn send_udp(socket: &mut Option<UdpSocket>, lines: &[String], config: &StatsdConfig) -> usize {
+fn send_udp(socket: &mut Option<UdpSocket>, lines: &Lines, config: &StatsdConfig) -> usize {
     if socket.is_none() {
         *socket = resolve(config).and_then(|addr| {
             let local: SocketAddr = if addr.is_ipv4() {
@@ -396,11 +443,17 @@ fn send_udp(socket: &mut Option<UdpSocket>, lines: &[String], config: &StatsdCon
         return lines.len();
     };
     let mut dropped = 0;
-    for (payload, count) in pack(lines, config.datagram_bytes_max.max(1)) {
-        if udp.send(&payload).is_err() {
-            dropped += count;
-        }
-    }
+    pack(
+        lines,
+        config.datagram_bytes_max.max(1),
+        false,
+        |payload, count| {
+            if udp.send(payload).is_err() {
+                dropped += count;
+            }
+            true
+        },
+    );
     dropped
 }
 
@@ -408,7 +461,7 @@ fn send_tcp(
     stream: &mut Option<TcpStream>,
     retry_at: &mut Instant,
     backoff: &mut Duration,
-    lines: &[String],
+    lines: &Lines,
     config: &StatsdConfig,
 ) -> usize {
     let timeout = Duration::from_millis(config.tcp_timeout_ms.max(1));
@@ -447,63 +500,131 @@ fn send_tcp(
         return lines.len();
     };
     let mut sent = 0;
-    for (mut payload, count) in pack(lines, config.datagram_bytes_max.max(1)) {
-        payload.push(b'\n');
-        if tcp.write_all(&payload).is_err() {
-            // A partial write may have cut a line: start over on a new
-            // connection rather than corrupt the next one.
-            *stream = None;
-            *retry_at = Instant::now() + *backoff;
-            return lines.len() - sent;
-        }
-        sent += count;
+    let mut failed = false;
+    pack(
+        lines,
+        config.datagram_bytes_max.max(1),
+        true,
+        |payload, count| {
+            failed = tcp.write_all(payload).is_err();
+            if !failed {
+                sent += count;
+            }
+            !failed
+        },
+    );
+    if failed {
+        // A partial write may have cut a line: start over on a new
+        // connection rather than corrupt the next one.
+        *stream = None;
+        *retry_at = Instant::now() + *backoff;
     }
-    0
+    lines.len() - sent
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn texts(lines: &Lines) -> Vec<String> {
+        lines
+            .iter()
+            .map(|l| String::from_utf8(l.to_vec()).unwrap())
+            .collect()
+    }
+
+    fn packed(lines: &Lines, bytes_max: usize, terminated: bool) -> Vec<(String, usize)> {
+        let mut payloads = Vec::new();
+        pack(lines, bytes_max, terminated, |payload, count| {
+            payloads.push((String::from_utf8(payload.to_vec()).unwrap(), count));
+            true
+        });
+        payloads
+    }
+
     #[test]
     fn prefix_is_joined_with_a_dot_and_absent_without_one() {
-        let mut with = LineBuilder::new("P");
-        with.counter(format_args!("hit.accepted"), 3);
+        let mut with = Lines::new("P");
+        with.counter(&["hit.", "accepted"], 3);
         with.gauge("connections", 2);
-        with.timing("hit", 1_234, None);
+        with.timing("hit", 1_234, "");
+        with.timing("hit", 12_000_007, "");
         assert_eq!(
-            with.take(),
-            ["P.hit.accepted:3|c", "P.connections:2|g", "P.hit:1.234|ms"]
+            texts(&with),
+            [
+                "P.hit.accepted:3|c",
+                "P.connections:2|g",
+                "P.hit:1.234|ms",
+                "P.hit:12000.007|ms"
+            ]
         );
-        let mut without = LineBuilder::new("");
-        without.counter(format_args!("error.unknown"), 1);
-        without.timing("hit", 7, Some(0.25));
+        let mut without = Lines::new("");
+        without.counter(&["error.", "unknown"], 1);
+        without.timing("hit", 7, "|@0.250000");
+        without.gauge("connections", -1);
         assert_eq!(
-            without.take(),
-            ["error.unknown:1|c", "hit:0.007|ms|@0.250000"]
+            texts(&without),
+            [
+                "error.unknown:1|c",
+                "hit:0.007|ms|@0.250000",
+                "connections:0|g"
+            ]
         );
+        without.clear();
+        assert!(without.is_empty());
     }
 
     #[test]
     fn packing_keeps_payloads_under_the_limit_and_every_line_once() {
-        let lines: Vec<String> = (0..100).map(|i| format!("P.hit:{i}.000|ms")).collect();
-        let payloads = pack(&lines, 64);
+        let mut lines = Lines::new("P");
+        for i in 0..100 {
+            lines.timing("hit", i * 1000, "");
+        }
+        let payloads = packed(&lines, 64, false);
         assert!(payloads.len() > 1);
         let mut seen = Vec::new();
         for (payload, count) in &payloads {
             assert!(payload.len() <= 64, "{} bytes", payload.len());
-            let text = std::str::from_utf8(payload).unwrap();
-            assert_eq!(text.split('\n').count(), *count);
-            seen.extend(text.split('\n').map(str::to_owned));
+            assert_eq!(payload.split('\n').count(), *count);
+            seen.extend(payload.split('\n').map(str::to_owned));
         }
-        assert_eq!(seen, lines);
+        assert_eq!(seen, texts(&lines));
+    }
+
+    #[test]
+    fn tcp_payloads_end_every_line_with_a_newline() {
+        let mut lines = Lines::new("");
+        for delta in 1..=30 {
+            lines.counter(&["hit.", "accepted"], delta);
+        }
+        let payloads = packed(&lines, 100, true);
+        assert!(payloads.len() > 1);
+        let joined: String = payloads.iter().map(|(p, _)| p.as_str()).collect();
+        assert!(payloads.iter().all(|(p, _)| p.ends_with('\n')));
+        assert_eq!(joined.lines().collect::<Vec<_>>(), texts(&lines));
     }
 
     #[test]
     fn a_line_longer_than_the_limit_travels_alone() {
-        let lines = vec!["a:1|c".to_owned(), "x".repeat(50), "b:1|c".to_owned()];
-        let payloads = pack(&lines, 20);
-        let counts: Vec<usize> = payloads.iter().map(|(_, count)| *count).collect();
+        let mut lines = Lines::new("");
+        lines.counter(&["a"], 1);
+        lines.counter(&[&"x".repeat(50)], 1);
+        lines.counter(&["b"], 1);
+        let counts: Vec<usize> = packed(&lines, 20, false).iter().map(|(_, c)| *c).collect();
         assert_eq!(counts, [1, 1, 1]);
+    }
+
+    #[test]
+    fn packing_stops_when_the_sink_fails() {
+        let mut lines = Lines::new("");
+        for delta in 1..=30 {
+            lines.counter(&["hit.", "accepted"], delta);
+        }
+        let mut calls = 0;
+        pack(&lines, 40, false, |_, _| {
+            calls += 1;
+            false
+        });
+        assert_eq!(calls, 1);
     }
 }
