@@ -228,7 +228,7 @@ fn validation_failures_name_the_rule() {
         load_err(
             "[a=1]\ncreditLimit=5\nresetSeconds=1\nalgorithm=magic\n[default]\ncreditLimit=0\n"
         ),
-        "rule [a=1] (line 1): unknown algorithm 'magic' (expected fixed-window)"
+        "rule [a=1] (line 1): unknown algorithm 'magic' (expected fixed-window, token-bucket or sliding-window)"
     );
     assert_eq!(
         load_err("stray = 1\n[default]\ncreditLimit=0\n"),
@@ -316,4 +316,47 @@ fn parse_int_prefix_is_javascripts_parse_int() {
     assert_eq!(parse_int_prefix("+5"), Some(5));
     assert_eq!(parse_int_prefix("abc"), None);
     assert_eq!(parse_int_prefix(""), None);
+}
+
+#[test]
+fn each_rule_may_choose_its_algorithm() {
+    let ini = RuleSet::from_ini(
+        "[a=1]\ncreditLimit=5\nresetSeconds=1\nalgorithm = token-bucket\n\
+         [a=2]\ncreditLimit=5\nresetSeconds=1\nalgorithm = sliding-window  ; smoother\n\
+         [a=3]\ncreditLimit=5\nresetSeconds=1\nalgorithm = fixed-window\n\
+         [default]\ncreditLimit=5\nresetSeconds=1\n",
+    )
+    .unwrap();
+    let algorithms: Vec<Algorithm> = ini.rules().iter().map(|r| r.algorithm).collect();
+    assert_eq!(
+        algorithms,
+        [
+            Algorithm::TokenBucket,
+            Algorithm::SlidingWindow,
+            Algorithm::FixedWindow,
+            Algorithm::FixedWindow
+        ]
+    );
+    let json = RuleSet::from_json(
+        r#"{"overrides":[{"operation":{"a":"1"},"creditLimit":5,"resetSeconds":1,"algorithm":"sliding-window"}],
+            "default":{"creditLimit":5,"resetSeconds":1,"algorithm":"token-bucket"}}"#,
+    )
+    .unwrap();
+    assert_eq!(json.rules()[0].algorithm, Algorithm::SlidingWindow);
+    assert_eq!(json.rules()[1].algorithm, Algorithm::TokenBucket);
+    let err = RuleSet::from_json(
+        r#"{"overrides":[],"default":{"creditLimit":5,"resetSeconds":1,"algorithm":"leaky"}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        err,
+        "rule \"default\": unknown algorithm 'leaky' (expected fixed-window, token-bucket or sliding-window)"
+    );
+    // The same operation and limits under another algorithm count separately.
+    let a = RuleSet::from_ini("[default]\ncreditLimit=5\nresetSeconds=1\n").unwrap();
+    let b = RuleSet::from_ini("[default]\ncreditLimit=5\nresetSeconds=1\nalgorithm=token-bucket\n")
+        .unwrap();
+    assert_ne!(a.rules()[0].counter_identity, b.rules()[0].counter_identity);
+    assert_ne!(a.fingerprint(), b.fingerprint());
 }
