@@ -176,6 +176,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Observed {
             engine: Arc::clone(&engine),
             store: Some(store),
+            buckets: Some(Arc::clone(&buckets)),
             readiness,
         },
     )?;

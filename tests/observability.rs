@@ -74,6 +74,7 @@ fn observed(server: &TestServer) -> Observed {
     Observed {
         engine: Arc::clone(&server.engine),
         store: Some(Arc::clone(&server.store)),
+        buckets: None,
         readiness: Arc::new(Readiness::new(Arc::clone(&server.engine.metrics))),
     }
 }
@@ -378,6 +379,40 @@ fn tollgate_series_report_keys_connections_and_backend() {
     assert_eq!(
         series(&scraped, "tollgate_backend_healthy"),
         BTreeMap::from([("backend=memory".to_owned(), 0.0)])
+    );
+}
+
+#[test]
+fn droplet_buckets_are_counted() {
+    use tollgate::droplet::{Buckets, BucketsConfig};
+    use tollgate::limiter::droplet_bucket::TakeRequest;
+    let server = TestServer::start_ini(RULES);
+    let buckets = Arc::new(Buckets::new(BucketsConfig::default()));
+    let config = HttpConfig::new("127.0.0.1:0".parse().unwrap(), "/metrics".into());
+    let observability = Observability::start_with(
+        Some(config),
+        None,
+        Observed {
+            buckets: Some(Arc::clone(&buckets)),
+            ..observed(&server)
+        },
+    )
+    .unwrap();
+    let addr = observability.http_addr().unwrap();
+    assert_eq!(
+        series(&scrape(addr), "tollgate_droplet_buckets"),
+        BTreeMap::from([(String::new(), 0.0)])
+    );
+    let mut per_second = TakeRequest::default();
+    per_second.limits[0] = 10;
+    for name in ["first", "second", "first"] {
+        buckets
+            .take(name.as_bytes(), &per_second, 1_700_000_000_000)
+            .unwrap();
+    }
+    assert_eq!(
+        series(&scrape(addr), "tollgate_droplet_buckets"),
+        BTreeMap::from([(String::new(), 2.0)])
     );
 }
 

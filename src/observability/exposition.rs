@@ -9,6 +9,7 @@
 //! label values are hit statuses, rule labels (from the configuration), error
 //! codes, the backend's name, the drop reason and the version.
 
+use crate::droplet::Buckets;
 use crate::engine::Engine;
 use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES, HIT_DURATION_BUCKETS_SECONDS};
 use crate::store::MemoryStore;
@@ -42,6 +43,8 @@ pub struct ExportSources {
     /// The in-memory store, for its live keys and sweeps (absent in Redis
     /// mode, where counters live elsewhere).
     pub store: Option<Arc<MemoryStore>>,
+    /// The droplet token buckets, when the server keeps them.
+    pub buckets: Option<Arc<Buckets>>,
 }
 
 /// Renders the exposition text on demand.
@@ -148,6 +151,12 @@ const SWEPT_KEYS: Family = Family {
     kind: MetricType::COUNTER,
     labels: &[],
 };
+const DROPLET_BUCKETS: Family = Family {
+    name: "tollgate_droplet_buckets",
+    help: "Droplet token buckets held in memory (forgotten ones not yet reclaimed included).",
+    kind: MetricType::GAUGE,
+    labels: &[],
+};
 const BACKEND_ERRORS: Family = Family {
     name: "tollgate_backend_errors_total",
     help: "Backend requests that failed (error or timeout).",
@@ -167,7 +176,7 @@ const STATSD_DROPPED: Family = Family {
     labels: &["reason"],
 };
 
-const FAMILIES: [&Family; 15] = [
+const FAMILIES: [&Family; 16] = [
     &DIVVY_CONNECTIONS,
     &DIVVY_HIT_DURATION,
     &DIVVY_HITS,
@@ -180,6 +189,7 @@ const FAMILIES: [&Family; 15] = [
     &LIVE_KEYS_MAX,
     &SWEEPS,
     &SWEPT_KEYS,
+    &DROPLET_BUCKETS,
     &BACKEND_ERRORS,
     &BACKEND_HEALTHY,
     &STATSD_DROPPED,
@@ -272,6 +282,9 @@ impl Collector for ServerCollector {
                 plain_counter(&SWEEPS, store.sweep_stats.sweeps.load(Relaxed)),
                 plain_counter(&SWEPT_KEYS, store.sweep_stats.reclaimed.load(Relaxed)),
             ]);
+        }
+        if let Some(buckets) = &self.sources.buckets {
+            out.push(plain_gauge(&DROPLET_BUCKETS, buckets.len() as f64));
         }
         out
     }

@@ -15,6 +15,7 @@ pub mod health;
 pub mod http;
 pub mod statsd;
 
+use crate::droplet::Buckets;
 use crate::engine::Engine;
 use crate::store::MemoryStore;
 use clap::Args;
@@ -178,6 +179,8 @@ pub struct Observed {
     pub engine: Arc<Engine>,
     /// The in-memory store (absent when counters live in Redis).
     pub store: Option<Arc<MemoryStore>>,
+    /// The droplet token buckets, when the server keeps them.
+    pub buckets: Option<Arc<Buckets>>,
     pub readiness: Arc<Readiness>,
 }
 
@@ -212,6 +215,7 @@ impl Observability {
                     exporter: exposition::PrometheusExporter::new(exposition::ExportSources {
                         engine: observed.engine,
                         store: observed.store,
+                        buckets: observed.buckets,
                     })?,
                     readiness: Arc::clone(&observed.readiness),
                     metrics_path: config.metrics_path.clone(),
