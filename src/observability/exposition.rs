@@ -1,6 +1,6 @@
 //! The Prometheus exposition: divvy's four series under their exact names,
 //! labels, help texts and buckets, plus Tollgate's own `tollgate_` series.
-//! Values are read from [`Metrics`] (and the memory store) at scrape time by
+//! Values are read from [`Metrics`] (and the stores) at scrape time by
 //! a custom [`Collector`]; the `prometheus` crate's [`Registry`] sorts and
 //! validates them and its [`TextEncoder`] writes the classic text format
 //! 0.0.4, the format of divvy's prom-client. Nothing is recorded here.
