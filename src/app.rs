@@ -5,6 +5,8 @@
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, UnavailablePolicy};
 use crate::metrics::Metrics;
+use crate::observability::health::Readiness;
+use crate::observability::{Observability, Observed};
 use crate::rules::RuleSet;
 use crate::server::{Limits, Server, ServerConfig};
 use crate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
@@ -96,6 +98,9 @@ pub struct ServeArgs {
 
     #[command(flatten)]
     pub droplet: crate::droplet::DropletArgs,
+
+    #[command(flatten)]
+    pub observability: crate::observability::ObservabilityArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
@@ -106,8 +111,10 @@ pub fn init_logging(format: LogFormat) {
             filter = filter.add_directive(directive);
         }
     }
+    use std::io::IsTerminal as _;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -152,15 +159,27 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let metrics = Metrics::new();
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
+    let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
     let engine = Engine::new(
         rules,
-        Arc::new(MemoryBackend { store }),
+        Arc::new(MemoryBackend {
+            store: Arc::clone(&store),
+        }),
         Arc::clone(&clock),
         metrics,
         args.unavailable_policy,
     );
     let droplet_lines = crate::droplet::LineCommands::new(Arc::clone(&buckets));
     let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
+    let observability = Observability::start(
+        &args.observability,
+        Observed {
+            engine: Arc::clone(&engine),
+            store: Some(store),
+            buckets: Some(Arc::clone(&buckets)),
+            readiness,
+        },
+    )?;
     let config = ServerConfig {
         listen,
         threads,
@@ -195,11 +214,15 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             args.drain_timeout_ms,
         )
         .context("cannot start the droplet endpoint")?;
+    observability.readiness().set_serving(true);
     if let Some(droplet) = &droplet {
         println!(
             "tollgate: listening on {} (droplet protocol)",
             droplet.local_addr
         );
+    }
+    if let Some(url) = observability.metrics_url() {
+        println!("tollgate: serving Prometheus metrics at {url}, health at /healthz and /readyz");
     }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
@@ -211,10 +234,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     tracing::info!("shutting down: draining connections");
+    observability.readiness().set_serving(false);
     running.stop();
     if let Some(droplet) = droplet {
         droplet.stop();
     }
+    observability.stop();
     if let Some(pid_file) = &args.pid_file {
         let _ = std::fs::remove_file(pid_file);
     }

@@ -14,6 +14,7 @@ pub mod droplet;
 pub mod engine;
 pub mod limiter;
 pub mod metrics;
+pub mod observability;
 pub mod protocol;
 pub mod rules;
 pub mod server;

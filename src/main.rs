@@ -20,7 +20,7 @@ struct Cli {
 enum Command {
     /// Serve the divvy line protocol. Without CONFIG, runs on the embedded
     /// default (the example configuration of divvy's README).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Validate a rule file: exit 0 with a summary, or 1 with the error.
     CheckConfig {
         /// A `.ini` or `.json` rule file.
@@ -60,7 +60,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::CheckConfig { file } => check_config(&file),
         Command::Reload { pid_file, pid } => reload(pid_file.as_deref(), pid),
     };
