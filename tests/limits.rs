@@ -403,3 +403,68 @@ fn a_panic_in_one_connection_closes_only_that_connection() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    statm
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 4096
+}
+
+#[test]
+fn memory_stays_bounded_under_partial_line_and_unread_answer_attacks() {
+    const PARTIAL_LINE_ATTACKERS: usize = 150;
+    const FLOODERS: usize = 20;
+    let server = start(Limits {
+        line_bytes_max: 64 * 1024,
+        ..Limits::default()
+    });
+    let before = resident_bytes();
+    let mut attackers = Vec::new();
+    // Each parks almost a whole line (60 KiB of a 64 KiB limit).
+    let partial = vec![b'x'; 60 * 1024];
+    for _ in 0..PARTIAL_LINE_ATTACKERS {
+        let mut stream = server.connect();
+        stream.write_all(b"HIT op=a u=").unwrap();
+        stream.write_all(&partial).unwrap();
+        attackers.push(stream);
+    }
+    // Each sends 256 KiB of requests and never reads an answer.
+    let flood: Vec<u8> = b"HIT op=a u=flood\n"
+        .iter()
+        .copied()
+        .cycle()
+        .take(256 * 1024)
+        .collect();
+    for _ in 0..FLOODERS {
+        let mut stream = server.connect();
+        stream.write_all(&flood).unwrap();
+        attackers.push(stream);
+    }
+    // A polite client is served while the attack goes on.
+    let started = Instant::now();
+    let mut polite = server.connect();
+    assert_eq!(
+        request(&mut polite, "HIT op=a u=polite"),
+        "OK true 999999 60"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let grown = resident_bytes().saturating_sub(before);
+    // Per connection at most one line (64 KiB), one read chunk (16 KiB) and the
+    // answers to one batch: 170 connections stay far below 64 MiB.
+    assert!(
+        grown < 64 * 1024 * 1024,
+        "RSS grew by {} MiB",
+        grown / (1024 * 1024)
+    );
+    drop(attackers);
+}

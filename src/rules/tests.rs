@@ -360,3 +360,56 @@ fn each_rule_may_choose_its_algorithm() {
     assert_ne!(a.rules()[0].counter_identity, b.rules()[0].counter_identity);
     assert_ne!(a.fingerprint(), b.fingerprint());
 }
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ini_line() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "\\[[a-z=*/. ]{0,20}\\]",
+            "(creditLimit|resetSeconds|label|matchPolicy|actorField|algorithm|comment) ?= ?[-a-z0-9'\"#; ]{0,12}",
+            "[#;].{0,10}",
+            ".{0,20}",
+        ]
+    }
+
+    proptest! {
+        /// Any text loads or is refused with an error; a loaded set always ends
+        /// in the default rule and every rule's quota is valid.
+        #[test]
+        fn ini_loading_never_panics(lines in proptest::collection::vec(ini_line(), 0..12)) {
+            if let Ok(set) = RuleSet::from_ini(&lines.join("\n")) {
+                prop_assert!(set.rules().last().unwrap().operation.is_empty());
+                for rule in set.rules() {
+                    if let Quota::Limited { credit_limit, reset_seconds } = rule.quota {
+                        prop_assert!(credit_limit >= 1 && reset_seconds >= 1);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn json_loading_never_panics(text in "[{}\\[\\]\":,a-zA-Z0-9 -]{0,120}") {
+            let _ = RuleSet::from_json(&text);
+        }
+
+        /// Generated valid rule files load identically from INI and JSON.
+        #[test]
+        fn ini_and_json_agree(rules in proptest::collection::vec(("[a-z]{1,4}", "[a-z0-9/]{1,6}", 0u64..5, 0u64..5), 0..6)) {
+            let mut ini = String::new();
+            let mut overrides = Vec::new();
+            for (key, value, limit, reset) in &rules {
+                ini.push_str(&format!("[{key}={value}]\ncreditLimit={limit}\nresetSeconds={reset}\n"));
+                overrides.push(format!(r#"{{"operation":{{"{key}":"{value}"}},"creditLimit":{limit},"resetSeconds":{reset}}}"#));
+            }
+            ini.push_str("[default]\ncreditLimit=0\n");
+            let json = format!(r#"{{"overrides":[{}],"default":{{"creditLimit":0}}}}"#, overrides.join(","));
+            match (RuleSet::from_ini(&ini), RuleSet::from_json(&json)) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a.fingerprint(), b.fingerprint()),
+                (Err(_), Err(_)) => {}
+                (a, b) => prop_assert!(false, "INI {:?} vs JSON {:?}", a.map(|_| ()), b.map(|_| ())),
+            }
+        }
+    }
+}

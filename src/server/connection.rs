@@ -17,6 +17,9 @@ use tokio::sync::watch;
 
 /// Bytes asked of the kernel per read.
 const READ_CHUNK_BYTES: usize = 16 * 1024;
+/// Reads of at least half a chunk a connection may do before it yields its
+/// thread to the others (about a thousand requests each).
+const LARGE_READS_PER_TURN: u32 = 2;
 
 /// Why a connection ended, for tests and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +51,8 @@ struct Connection {
     arrival: crate::engine::Arrival,
     /// Since when an incomplete line has been waiting for its end.
     partial_line_since: Option<tokio::time::Instant>,
+    /// Large reads since this connection last yielded its thread.
+    large_reads_in_turn: u32,
 }
 
 /// Counts a connection open for as long as it lives, even if its task panics.
@@ -85,6 +90,7 @@ pub async fn serve(
         input_done: false,
         arrival: engine.arrival(),
         partial_line_since: None,
+        large_reads_in_turn: 0,
     };
     let ended = connection.run(shutdown).await;
     if ended == Ended::AfterError {
@@ -103,6 +109,12 @@ impl Connection {
             self.execute_buffered_lines();
             if !self.output.is_empty() && self.flush().await.is_err() {
                 return Ended::Io;
+            }
+            if self.large_reads_in_turn >= LARGE_READS_PER_TURN {
+                // A client streaming requests as fast as it can must not hold the
+                // thread: let every other connection of this thread have a turn.
+                self.large_reads_in_turn = 0;
+                tokio::task::yield_now().await;
             }
             if self.closing && self.pending.is_empty() {
                 return Ended::AfterError;
@@ -141,7 +153,12 @@ impl Connection {
                 read = self.socket.read(&mut self.input), if can_read => {
                     match read {
                         Ok(0) => self.input_done = true,
-                        Ok(_) => self.arrival = self.engine.arrival(),
+                        Ok(n) => {
+                            self.arrival = self.engine.arrival();
+                            if n >= READ_CHUNK_BYTES / 2 {
+                                self.large_reads_in_turn += 1;
+                            }
+                        }
                         Err(_) => return Ended::Io,
                     }
                 }
