@@ -10,9 +10,11 @@
 pub mod app;
 pub mod client;
 pub mod clock;
+pub mod droplet;
 pub mod engine;
 pub mod limiter;
 pub mod metrics;
+pub mod observability;
 pub mod protocol;
 pub mod rules;
 pub mod server;

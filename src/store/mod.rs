@@ -3,16 +3,21 @@
 //! layout), or a cluster's replicated shards. A backend answers synchronously
 //! when it can and with a future when it must wait (network).
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod memory;
 pub mod redis;
 
-use crate::limiter::{fixed_window_hit, Decision, WindowQuota};
-use crate::rules::Rule;
+use crate::limiter::{
+    fixed_window_hit, sliding_window_hit, token_bucket_hit, CounterState, Decision, WindowQuota,
+};
+use crate::rules::{Algorithm, Rule};
 use futures_util::future::BoxFuture;
 use smallvec::SmallVec;
 use std::sync::Arc;
 
-pub use memory::{MemoryStore, MemoryStoreConfig, StoreFull};
+pub use memory::{MemoryStore, MemoryStoreConfig, StoreFull, StoredState, StripedStore};
 
 /// One rule's counter, asked about by one request.
 #[derive(Debug, Clone, Copy)]
@@ -76,6 +81,20 @@ pub fn memory_key(buf: &mut Vec<u8>, op: &CounterOp<'_>) {
     buf.extend_from_slice(op.actor.as_bytes());
 }
 
+/// One hit of a rule's algorithm on its counter (pure; see [`crate::limiter`]).
+pub fn algorithm_hit(
+    algorithm: Algorithm,
+    state: Option<CounterState>,
+    quota: WindowQuota,
+    now_ms: u64,
+) -> (Decision, Option<CounterState>) {
+    match algorithm {
+        Algorithm::FixedWindow => fixed_window_hit(state, quota, now_ms),
+        Algorithm::TokenBucket => token_bucket_hit(state, quota, now_ms),
+        Algorithm::SlidingWindow => sliding_window_hit(state, quota, now_ms),
+    }
+}
+
 impl MemoryBackend {
     pub fn decide_one(
         &self,
@@ -86,10 +105,10 @@ impl MemoryBackend {
         memory_key(key_buf, op);
         if op.peek {
             let state = self.store.get(key_buf, now_ms);
-            return Ok(fixed_window_hit(state, op.quota, now_ms).0);
+            return Ok(algorithm_hit(op.rule.algorithm, state, op.quota, now_ms).0);
         }
         Ok(self.store.update(key_buf, now_ms, |state| {
-            fixed_window_hit(state, op.quota, now_ms)
+            algorithm_hit(op.rule.algorithm, state, op.quota, now_ms)
         })?)
     }
 }
