@@ -9,7 +9,8 @@ use crate::observability::health::Readiness;
 use crate::observability::{Observability, Observed};
 use crate::rules::RuleSet;
 use crate::server::{Limits, Server, ServerConfig};
-use crate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
+use crate::store::redis::{BackendKind, Persistence, RedisArgs, RedisBackend};
+use crate::store::{Backend, MemoryBackend, MemoryStore, MemoryStoreConfig};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use std::net::SocketAddr;
@@ -101,6 +102,9 @@ pub struct ServeArgs {
 
     #[command(flatten)]
     pub observability: crate::observability::ObservabilityArgs,
+
+    #[command(flatten)]
+    pub redis: RedisArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
@@ -160,17 +164,31 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
     let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
-    let engine = Engine::new(
-        rules,
-        Arc::new(MemoryBackend {
+    let persist_config = args.redis.persist_config()?;
+    let backend: Arc<dyn Backend> = match args.redis.backend {
+        BackendKind::Memory => Arc::new(MemoryBackend {
             store: Arc::clone(&store),
         }),
+        BackendKind::Redis => Arc::new(RedisBackend::start(
+            &args.redis,
+            &rules,
+            Arc::clone(&metrics),
+        )?),
+    };
+    let backend_name = backend.name();
+    let engine = Engine::new(
+        rules,
+        backend,
         Arc::clone(&clock),
         metrics,
         args.unavailable_policy,
     );
     let droplet_lines = crate::droplet::LineCommands::new(Arc::clone(&buckets));
     let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
+    // Loads the persisted counters before serving.
+    let persistence = persist_config
+        .map(|config| Persistence::start(config, Arc::clone(&store), Arc::clone(&engine)))
+        .transpose()?;
     let observability = Observability::start(
         &args.observability,
         Observed {
@@ -202,7 +220,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot write the pid file {}", pid_file.display()))?;
     }
     println!(
-        "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: memory, threads: {threads}"
+        "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: {backend_name}, threads: {threads}"
     );
     let droplet = args
         .droplet
@@ -238,6 +256,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     running.stop();
     if let Some(droplet) = droplet {
         droplet.stop();
+    }
+    if let Some(persistence) = persistence {
+        match persistence.stop_and_flush() {
+            Ok(written) => tracing::info!(written, "persisted every counter"),
+            Err(error) => tracing::warn!(%error, "the last persistence pass failed"),
+        }
     }
     observability.stop();
     if let Some(pid_file) = &args.pid_file {
@@ -309,7 +333,13 @@ pub fn reload_rules(engine: &Engine, config: Option<&std::path::Path>) {
         );
         return;
     };
-    match RuleSet::load_file(path) {
+    let checked = RuleSet::load_file(path)
+        .map_err(|error| error.to_string())
+        .and_then(|rules| match engine.backend().check_rules(&rules) {
+            Ok(()) => Ok(rules),
+            Err(error) => Err(error.to_string()),
+        });
+    match checked {
         Ok(rules) => {
             let count = rules.rules().len();
             engine.replace_rules(rules);

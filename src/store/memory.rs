@@ -254,6 +254,40 @@ impl<S: StoredState> StripedStore<S> {
         }
     }
 
+    /// Visits the live counters of whole stripes starting at `first`, until at
+    /// least `entries_budget` counters were visited or every stripe was visited
+    /// once (bounded work per call, for periodic persistence). Each stripe is
+    /// locked only while it is read, so `visit` must be short: copy, don't
+    /// format. Returns the stripe to start from next time and how many stripes
+    /// were visited.
+    pub fn visit_live_step(
+        &self,
+        first: usize,
+        entries_budget: usize,
+        now_ms: u64,
+        mut visit: impl FnMut(&[u8], S),
+    ) -> (usize, usize) {
+        let mut index = first & self.stripe_mask;
+        let mut visited_entries = 0;
+        let mut visited_stripes = 0;
+        while visited_stripes < self.stripes.len() {
+            let stripe = self.stripes[index].lock();
+            for entry in stripe.table.iter() {
+                if entry.state.expires_at_ms() > now_ms {
+                    visit(&entry.key, entry.state);
+                    visited_entries += 1;
+                }
+            }
+            drop(stripe);
+            index = (index + 1) & self.stripe_mask;
+            visited_stripes += 1;
+            if visited_entries >= entries_budget {
+                break;
+            }
+        }
+        (index, visited_stripes)
+    }
+
     /// Starts a thread that sweeps `entries_per_tick` entries every `tick`,
     /// until the store is dropped.
     pub fn spawn_sweeper(
@@ -329,6 +363,42 @@ mod tests {
         // Once a and b expire, c fits.
         assert_eq!(hit(&store, b"c", 1000), Ok(true));
         assert_eq!(store.live_keys(), 1);
+    }
+
+    #[test]
+    fn visit_live_steps_cover_every_live_counter_once_per_cycle() {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            stripes: 8,
+            live_keys_max: 1000,
+        });
+        for i in 0..100u32 {
+            hit(&store, &i.to_le_bytes(), 0).unwrap();
+        }
+        store
+            .merge(
+                b"expired",
+                CounterState::Window {
+                    end_ms: 400,
+                    used: 1,
+                },
+                0,
+            )
+            .unwrap();
+        let mut seen = Vec::new();
+        let (mut next, mut stripes) = (0, 0);
+        while stripes < store.stripe_count() {
+            let (after, visited) =
+                store.visit_live_step(next, 10, 500, |key, _| seen.push(key.to_vec()));
+            assert!(visited >= 1);
+            next = after;
+            stripes += visited;
+        }
+        assert_eq!(stripes, store.stripe_count(), "whole stripes, each once");
+        assert_eq!(next, 0, "a full cycle ends where it started");
+        seen.sort();
+        let mut expected: Vec<Vec<u8>> = (0..100u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        expected.sort();
+        assert_eq!(seen, expected, "every live counter once, nothing expired");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod memory;
+pub mod redis;
 
 use crate::limiter::{
     fixed_window_hit, sliding_window_hit, token_bucket_hit, CounterState, Decision, WindowQuota,
@@ -56,6 +57,16 @@ pub trait Backend: Send + Sync + 'static {
 
     /// A short name for logs and metrics ("memory", "redis", "cluster").
     fn name(&self) -> &'static str;
+
+    /// Can this backend count every rule of `rules`? To be checked before a
+    /// rule set is served, at start and on reload (the redis backend counts
+    /// only fixed windows). The memory backend counts them all.
+    fn check_rules(
+        &self,
+        _rules: &crate::rules::RuleSet,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(())
+    }
 }
 
 /// The in-memory backend: counters in a [`MemoryStore`], decided inline.

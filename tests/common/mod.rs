@@ -3,6 +3,8 @@
 //! manual clock when a test must control time.
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
