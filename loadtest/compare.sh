@@ -16,6 +16,8 @@
 #   CARGO_TARGET_DIR  as for cargo;  SKIP_BUILD=1  use the binaries already built
 #   TOLLGATE_BIN, LOADTEST_BIN  binaries to use instead of the ones cargo builds
 #   REDIS_SERVER=redis-server
+#   TOLLGATE_THREADS=1  serving threads: one, like Redis, since the generator takes the other core
+#                       of a 2-core machine (give more on a bigger machine)
 #
 # Every run uses its own actor names (prefix w<workload>r<round>), so each starts from fresh
 # counters on both servers. Everything started here is stopped on exit.
@@ -106,7 +108,7 @@ wait_for() {
 }
 
 echo "== starting tollgate (embedded default rules) and redis on loopback; results in $OUT"
-"$TOLLGATE" serve --listen 127.0.0.1:0 >"$OUT/tollgate.log" 2>&1 &
+"$TOLLGATE" serve --listen 127.0.0.1:0 --threads "${TOLLGATE_THREADS:-1}" >"$OUT/tollgate.log" 2>&1 &
 PIDS+=($!)
 TOLLGATE_PID=$!
 tollgate_addr() {
@@ -170,6 +172,19 @@ for spec in "${WORKLOADS[@]}"; do
             --target "$REDIS_ADDR" --protocol "$redis_proto" --actor-prefix "$prefix" $flags
     done
 done
+
+# Open loop at half of Tollgate's measured maximum (the pipelined INCR workload's median), so
+# latency is measured against a schedule, not against the server's own pace.
+HALF_RATE=$(python3 -c '
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+runs = [json.load(open(f"{out}/p32-incr-tollgate-{r}.json"))["throughput_per_sec"] for r in range(1, rounds + 1)]
+print(int(statistics.median(runs) / 2))' "$OUT" "$ROUNDS")
+echo "== open loop at half of tollgate's maximum: $HALF_RATE requests/s"
+run_one "$OUT/open-tollgate.json" "$OUT/open-tollgate.log" --target "$TOLLGATE_ADDR" --protocol divvy \
+    --actor-prefix open --rate "$HALF_RATE" --pipeline 32 --plot "$OUT/open-tollgate.svg"
+run_one "$OUT/open-redis.json" "$OUT/open-redis.log" --target "$REDIS_ADDR" --protocol resp-incr \
+    --actor-prefix open --rate "$HALF_RATE" --pipeline 32 --plot "$OUT/open-redis.svg"
 
 echo
 echo "== summary (median over $ROUNDS rounds of $DURATION s; ratio = tollgate / redis)"

@@ -254,14 +254,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     tracing::info!("shutting down: draining connections");
     observability.readiness().set_serving(false);
     running.stop();
+    if let Some(droplet) = droplet {
+        droplet.stop();
+    }
     if let Some(persistence) = persistence {
         match persistence.stop_and_flush() {
             Ok(written) => tracing::info!(written, "persisted every counter"),
             Err(error) => tracing::warn!(%error, "the last persistence pass failed"),
         }
-    }
-    if let Some(droplet) = droplet {
-        droplet.stop();
     }
     observability.stop();
     if let Some(pid_file) = &args.pid_file {
@@ -333,12 +333,14 @@ pub fn reload_rules(engine: &Engine, config: Option<&std::path::Path>) {
         );
         return;
     };
-    match RuleSet::load_file(path) {
+    let checked = RuleSet::load_file(path)
+        .map_err(|error| error.to_string())
+        .and_then(|rules| match engine.backend().check_rules(&rules) {
+            Ok(()) => Ok(rules),
+            Err(error) => Err(error.to_string()),
+        });
+    match checked {
         Ok(rules) => {
-            if let Err(error) = engine.backend().check_rules(&rules) {
-                tracing::error!(path = %path.display(), %error, "reload refused, keeping the current rules");
-                return;
-            }
             let count = rules.rules().len();
             engine.replace_rules(rules);
             tracing::info!(path = %path.display(), rules = count, "rules reloaded");
