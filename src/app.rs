@@ -84,11 +84,15 @@ pub struct ServeArgs {
     /// Log format on stderr (filter with RUST_LOG; DEBUG=divvy logs each rule).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=error"));
     if std::env::var("DEBUG").is_ok_and(|v| v.split(',').any(|s| s.trim() == "divvy")) {
         if let Ok(directive) = "divvy=debug".parse() {
             filter = filter.add_directive(directive);
@@ -109,9 +113,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Some(path) => RuleSet::load_file(path).with_context(|| format!("{}", path.display()))?,
         None => RuleSet::embedded_default(),
     };
-    let listen = args
-        .listen
-        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], args.port)));
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -126,16 +127,33 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Duration::from_millis(args.sweep_interval_ms.max(1)),
         args.sweep_entries_per_tick.max(1),
     );
+    let cluster = crate::cluster::start(
+        &args.cluster,
+        &rules,
+        Arc::clone(&store),
+        Arc::clone(&clock),
+    )
+    .context("cannot join the cluster")?;
+    let backend: Arc<dyn crate::store::Backend> = match &cluster {
+        Some(cluster) => cluster.backend(),
+        None => Arc::new(MemoryBackend { store }),
+    };
+    let listen = args
+        .listen
+        .or(cluster.as_ref().map(|c| c.client_addr()))
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], args.port)));
     let metrics = Metrics::new();
     let rule_count = rules.rules().len();
     let source = rules.source.clone();
-    let engine = Arc::new(Engine::new(
-        rules,
-        Arc::new(MemoryBackend { store }),
-        clock,
-        metrics,
-        args.unavailable_policy,
-    ));
+    let backend_name = match &cluster {
+        Some(cluster) => cluster.describe(),
+        None => backend.name().to_string(),
+    };
+    let mut engine = Engine::new(rules, backend, clock, metrics, args.unavailable_policy);
+    if let Some(cluster) = &cluster {
+        engine = engine.with_extension(cluster.topology_command());
+    }
+    let engine = Arc::new(engine);
     let config = ServerConfig {
         listen,
         threads,
@@ -152,7 +170,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let local_addr = server.local_addr();
     let running = server.spawn().context("cannot start serving threads")?;
     println!(
-        "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: memory, threads: {threads}"
+        "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: {backend_name}, threads: {threads}"
     );
     use std::io::Write as _;
     let _ = std::io::stdout().flush();

@@ -19,12 +19,21 @@ struct Cli {
 enum Command {
     /// Serve the divvy line protocol. Without CONFIG, runs on the embedded
     /// default (the example configuration of divvy's README).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Validate a rule file: exit 0 with a summary, or 1 with the error.
     CheckConfig {
         /// A `.ini` or `.json` rule file.
         file: PathBuf,
     },
+    /// Cluster tools (`tollgate cluster status`).
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// Show nodes, shards, leaders and replication lag, asking any node.
+    Status(tollgate::cluster::StatusArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,8 +58,11 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(*args),
         Command::CheckConfig { file } => check_config(&file),
+        Command::Cluster(ClusterCommand::Status(args)) => {
+            tollgate::cluster::status::status_command(&args)
+        }
     };
     match result {
         Ok(code) => code,
