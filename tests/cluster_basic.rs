@@ -1,0 +1,177 @@
+//! Three real nodes on loopback: any node answers as a single node would,
+//! `tollgate cluster status` shows the cluster, nodes with different rules
+//! refuse each other, and many clients on all nodes never over-admit.
+
+mod cluster_support;
+
+use cluster_support::*;
+use std::time::Duration;
+
+/// A transcript touching several rules (canary included), actors and
+/// limits, including denials.
+fn transcript() -> Vec<String> {
+    let mut lines = Vec::new();
+    for round in 0..8 {
+        for user in ["ann", "bob", "cy"] {
+            lines.push(format!("HIT path=/limited user={user}"));
+            lines.push(format!("HIT path=/canary-{round} user={user}"));
+        }
+        for ip in 0..4 {
+            lines.push(format!("HIT path=/other ip=10.0.0.{ip}"));
+        }
+        lines.push("PEEK path=/limited user=ann".to_string());
+        lines.push("HIT path=/big user=ann".to_string());
+    }
+    lines
+}
+
+#[test]
+fn any_node_answers_as_a_single_node_would() {
+    let cluster = TestCluster::start(3, 8, &[]);
+    let single = SingleNode::start(&cluster.rules_path);
+    let clients = cluster.clients();
+    let lines = transcript();
+    // One connection per node, lines sent round-robin, one at a time.
+    let mut conns: Vec<Conn> = clients.iter().map(|&a| Conn::open(a).unwrap()).collect();
+    let mut reference = Conn::open(single.addr).unwrap();
+    for (i, line) in lines.iter().enumerate() {
+        let got = conns[i % 3].pipeline(std::slice::from_ref(line));
+        let want = reference.pipeline(std::slice::from_ref(line));
+        let (got, want) = (got.first().cloned(), want.first().cloned());
+        let parsed = (
+            got.as_deref().and_then(parse_ok),
+            want.as_deref().and_then(parse_ok),
+        );
+        match parsed {
+            (Some((g_allowed, g_credit, g_reset)), Some((w_allowed, w_credit, w_reset))) => {
+                assert_eq!(
+                    (g_allowed, g_credit),
+                    (w_allowed, w_credit),
+                    "line {i} {line:?}: cluster {got:?}, single {want:?}"
+                );
+                // Windows opened a few ms apart may round to adjacent seconds.
+                assert!(
+                    (g_reset - w_reset).abs() <= 1,
+                    "line {i}: {got:?} vs {want:?}"
+                );
+            }
+            _ => panic!("line {i} {line:?}: cluster {got:?}, single {want:?}"),
+        }
+    }
+}
+
+#[test]
+fn cluster_status_shows_nodes_shards_leaders_and_lag() {
+    let cluster = TestCluster::start(3, 8, &[]);
+    // Write something so followers have something to lag behind.
+    let lines: Vec<String> = (0..50)
+        .map(|i| format!("HIT path=/big user=u{i}"))
+        .collect();
+    assert_eq!(converse(cluster.client(2), &lines).len(), 50);
+    for id in 1..=3 {
+        let output = std::process::Command::new(TOLLGATE)
+            .args(["cluster", "status", "--check", "--node"])
+            .arg(cluster.client(id).to_string())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "node {id}: {text}");
+        assert!(
+            text.contains("3 nodes, 8 shards x 3 replicas, consistency strict"),
+            "{text}"
+        );
+        assert!(text.contains(&format!("answered by node {id}")), "{text}");
+        for node in 1..=3 {
+            assert!(text.contains(&cluster.client(node).to_string()), "{text}");
+        }
+        // Eight shard rows, each with a leader and a lag entry per follower.
+        let rows: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("SHARD"))
+            .skip(1)
+            .collect();
+        assert_eq!(rows.len(), 8, "{text}");
+        for row in rows {
+            let columns: Vec<&str> = row.split_whitespace().collect();
+            assert!(columns[1].parse::<u64>().is_ok(), "no leader: {row}");
+            assert_eq!(columns[4..].len(), 2, "lag of two followers: {row}");
+        }
+    }
+    // The JSON form names the leaders' client addresses.
+    let topology = cluster.topology().unwrap();
+    for shard in 0..8 {
+        assert!(topology.leader_client(shard).is_some());
+    }
+}
+
+#[test]
+fn a_node_with_different_rules_is_refused_with_a_clear_error() {
+    let mut cluster = TestCluster::start(3, 4, &[]);
+    cluster.kill(3);
+    let other_rules = cluster.dir.path().join("other.ini");
+    std::fs::write(
+        &other_rules,
+        "[default]\ncreditLimit = 7\nresetSeconds = 60\n",
+    )
+    .unwrap();
+    cluster.spawn(3, Some(&other_rules));
+    let status = cluster
+        .wait_exit(3, Duration::from_secs(15))
+        .expect("a node with different rules exits");
+    assert!(!status.success());
+    let log = cluster.log(3);
+    assert!(
+        log.contains("rules differ") && log.contains("identical on every node"),
+        "{log}"
+    );
+    // The refusing side says so too.
+    assert!(cluster.log(1).contains("rules differ") || cluster.log(2).contains("rules differ"));
+}
+
+/// Many clients spread over all nodes hammer one actor with limit L.
+fn hammer_one_actor(args: &[&str]) -> (usize, usize) {
+    let cluster = TestCluster::start(3, 8, args);
+    let clients = cluster.clients();
+    let limit = 200;
+    let per_client = 150;
+    let threads: Vec<_> = (0..9)
+        .map(|i| {
+            let addr = clients[i % 3];
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).unwrap();
+                let mut allowed = 0;
+                let mut answered = 0;
+                for _ in 0..per_client / 10 {
+                    let lines = vec!["HIT path=/limited user=hot".to_string(); 10];
+                    for answer in conn.pipeline(&lines) {
+                        answered += 1;
+                        if answer.starts_with("OK true") {
+                            allowed += 1;
+                        }
+                    }
+                }
+                (allowed, answered)
+            })
+        })
+        .collect();
+    let (mut allowed, mut answered) = (0, 0);
+    for thread in threads {
+        let (a, n) = thread.join().unwrap();
+        allowed += a;
+        answered += n;
+    }
+    assert_eq!(answered, 9 * per_client, "every hit answered");
+    (allowed, limit)
+}
+
+#[test]
+fn strict_mode_admits_exactly_the_limit() {
+    let (allowed, limit) = hammer_one_actor(&[]);
+    assert_eq!(allowed, limit);
+}
+
+#[test]
+fn fast_mode_admits_exactly_the_limit_without_failures() {
+    let (allowed, limit) = hammer_one_actor(&["--consistency", "fast"]);
+    assert_eq!(allowed, limit);
+}
