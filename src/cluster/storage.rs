@@ -359,6 +359,11 @@ impl RaftStateMachine<TollgateRaft> for ShardStateMachine {
         // so the result is at least the snapshot's state.
         let now_ms = self.shared.clock.now_ms().max(content.built_ms);
         self.merge_counters(&content.counters, now_ms);
+        tracing::info!(
+            shard = self.shared.shard,
+            counters = content.counters.len(),
+            "installed a snapshot from the leader"
+        );
         self.applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         *self.shared.current_snapshot.lock() = Some(StoredSnapshot {
