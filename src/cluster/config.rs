@@ -229,6 +229,18 @@ peer = 127.0.0.1:9323
     }
 
     #[test]
+    fn the_shipped_cluster_files_parse() {
+        let local = ClusterFile::parse(include_str!("../../cluster/local/cluster.ini")).unwrap();
+        assert_eq!(
+            (local.nodes.len(), local.shards, local.replicas),
+            (3, 64, 3)
+        );
+        assert_eq!(local.nodes[&1].client, "127.0.0.1:8321".parse().unwrap());
+        let deploy = ClusterFile::parse(include_str!("../../cluster/deploy/cluster.ini")).unwrap();
+        assert_eq!(deploy.nodes.len(), 3);
+    }
+
+    #[test]
     fn defaults_apply_without_a_cluster_section() {
         let file =
             ClusterFile::parse("[node 7]\nclient = 127.0.0.1:1\npeer = 127.0.0.1:2\n").unwrap();

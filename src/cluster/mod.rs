@@ -348,7 +348,8 @@ pub fn start(
             args.batch_ops_max.max(1),
         ));
         tokio::spawn(node::serve_peers(listener, Arc::clone(&node)));
-        node.join(args.join_wait_ms).await?;
+        node.join(args.join_wait_ms, args.raft_election_timeout_ms)
+            .await?;
         tokio::spawn(Arc::clone(&node).poll_remote_leaders());
         Ok::<_, ClusterError>(node)
     })?;

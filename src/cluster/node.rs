@@ -189,7 +189,11 @@ impl ClusterNode {
 
     /// Joins the cluster (see the module doc). Fails when a peer refuses us
     /// (different rules or cluster file).
-    pub async fn join(&self, join_wait_ms: u64) -> Result<(), ClusterError> {
+    pub async fn join(
+        &self,
+        join_wait_ms: u64,
+        election_timeout_ms: u64,
+    ) -> Result<(), ClusterError> {
         let deadline = Instant::now() + Duration::from_millis(join_wait_ms);
         let mut reports: BTreeMap<NodeId, NodeReport> = BTreeMap::new();
         loop {
@@ -243,7 +247,22 @@ impl ClusterNode {
                 // Another replica initialized first, or this one did: fine.
                 tracing::debug!(shard, %error, "initialize");
             }
-            group.raft.runtime_config().elect(true);
+            // The shard's first replica campaigns at once and the others
+            // only after a grace period, so that leaders start spread as
+            // evenly as the placement (same-term races favour high ids).
+            if self.placement.replicas_of(shard).first() == Some(&self.id) {
+                group.raft.runtime_config().elect(true);
+                if let Err(error) = group.raft.trigger().elect().await {
+                    tracing::debug!(shard, %error, "cannot trigger an election");
+                }
+            } else {
+                let group = Arc::clone(group);
+                let grace = Duration::from_millis(election_timeout_ms.saturating_mul(4));
+                tokio::spawn(async move {
+                    tokio::time::sleep(grace).await;
+                    group.raft.runtime_config().elect(true);
+                });
+            }
             initialized += 1;
         }
         tracing::info!(
