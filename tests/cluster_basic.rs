@@ -175,3 +175,46 @@ fn fast_mode_admits_exactly_the_limit_without_failures() {
     let (allowed, limit) = hammer_one_actor(&["--consistency", "fast"]);
     assert_eq!(allowed, limit);
 }
+
+#[test]
+fn the_cluster_client_goes_straight_to_each_shards_leader() {
+    let cluster = TestCluster::start(3, 8, &[]);
+    let rules = tollgate::rules::RuleSet::from_ini(RULES).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let seed = cluster.client(3).to_string();
+        let mut client = tollgate::cluster::ClusterClient::connect(&seed, rules)
+            .await
+            .unwrap();
+        let topology = client.topology().clone();
+        let mut shards_seen = std::collections::BTreeSet::new();
+        for i in 0..40 {
+            let user = format!("c{i}");
+            let pairs = [("path", "/limited"), ("user", user.as_str())];
+            let shard = client.shard_of(&pairs).unwrap();
+            shards_seen.insert(shard);
+            assert_eq!(
+                client.route(&pairs).as_deref(),
+                topology.leader_client(shard),
+                "user {user}"
+            );
+            for expected_credit in [199, 198] {
+                match client.hit(&pairs).await.unwrap() {
+                    tollgate::client::Response::Ok {
+                        allowed, credit, ..
+                    } => {
+                        assert!(allowed);
+                        assert_eq!(credit, expected_credit);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert!(shards_seen.len() >= 6, "40 users cover most of 8 shards");
+        // The default rule (5 per minute per ip) has a counter too.
+        assert!(client.shard_of(&[("ip", "1.2.3.4")]).is_some());
+    });
+}

@@ -10,10 +10,12 @@
 //! multiplexed peer connections, openraft's network), `shard` (a group's
 //! leader-side batching), `node` (membership, forwarding, the peer server),
 //! `backend` (the `Backend` and `TOPOLOGY`), [`status`] (topology, the
-//! `cluster status` command). See docs/cluster.md for the model and its
+//! `cluster status` command), [`client`] (a client that goes straight to
+//! leaders). See docs/cluster.md for the model and its
 //! guarantees.
 
 mod backend;
+pub mod client;
 pub mod codec;
 pub mod config;
 mod links;
@@ -24,6 +26,7 @@ pub mod status;
 pub mod storage;
 pub mod wire;
 
+pub use client::ClusterClient;
 pub use config::ClusterFile;
 pub use status::{StatusArgs, Topology};
 

@@ -106,6 +106,7 @@ impl ShardGroup {
             ready_term: None,
             proposals: Arc::new(Semaphore::new(PROPOSALS_IN_FLIGHT_MAX)),
             unreplicated: HashMap::new(),
+            replication_failed: Arc::default(),
         };
         tokio::spawn(worker.run(queue));
         tokio::spawn(watch_leadership(Arc::downgrade(&group), leaders));
@@ -226,6 +227,10 @@ struct Worker {
     proposals: Arc<Semaphore>,
     /// Fast mode: states decided but not yet proposed.
     unreplicated: HashMap<Vec<u8>, CounterState>,
+    /// Fast mode: a background proposal failed (leadership lost, or no
+    /// majority within `commit_timeout_ms`); leadership is re-confirmed
+    /// with a majority before anything more is decided.
+    replication_failed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Worker {
@@ -278,7 +283,10 @@ impl Worker {
             Some(leader) => return Err(format!("node {leader} leads it, not this node")),
             None => return Err("no leader (election in progress)".into()),
         }
-        if self.ready_term == Some(term) {
+        let failed = self
+            .replication_failed
+            .swap(false, std::sync::atomic::Ordering::AcqRel);
+        if self.ready_term == Some(term) && !failed {
             return Ok(());
         }
         self.ready_term = None;
@@ -431,6 +439,7 @@ impl Worker {
         let raft = self.raft.clone();
         let timeout_ms = self.settings.commit_timeout_ms;
         let shard = self.shard;
+        let failed = Arc::clone(&self.replication_failed);
         tokio::spawn(async move {
             let _permit = permit;
             let result =
@@ -438,6 +447,7 @@ impl Worker {
                     .await;
             if !matches!(result, Ok(Ok(_))) {
                 tracing::debug!(shard, "background replication of a batch failed");
+                failed.store(true, std::sync::atomic::Ordering::Release);
             }
         });
     }
