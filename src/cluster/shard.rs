@@ -289,8 +289,9 @@ impl Worker {
         if self.ready_term == Some(term) && !failed {
             return Ok(());
         }
+        // States admitted but not yet proposed stay queued: proposing them
+        // later only merges counts that were really admitted.
         self.ready_term = None;
-        self.unreplicated.clear();
         let confirm = tokio::time::timeout(
             Duration::from_millis(self.settings.commit_timeout_ms),
             self.raft.ensure_linearizable(),
