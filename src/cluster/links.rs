@@ -6,6 +6,12 @@
 //! re-established on the next call; after a failed connect, calls within
 //! [`RECONNECT_BACKOFF_MS`] fail immediately instead of hammering a dead peer.
 //!
+//! A call that times out keeps its slot until its answer arrives or the
+//! connection closes; the peer answers every request (its handlers are
+//! bounded by their own timeouts), so slots do not pile up. Calls in flight
+//! are bounded by their senders (64 forwarded batches per peer, one RPC per
+//! Raft replication stream).
+//!
 //! This module also adapts links to openraft's `RaftNetwork` for one shard.
 
 use super::codec;

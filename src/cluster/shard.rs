@@ -32,8 +32,10 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 /// Hits queued for one shard's worker, at most (in ops-carrying items).
 pub const WORK_QUEUE_ITEMS_MAX: usize = 65_536;
-/// Proposals of one shard awaiting commit at once, at most.
-const PROPOSALS_IN_FLIGHT_MAX: usize = 16;
+/// Proposals of one shard awaiting commit at once, at most. Small on
+/// purpose: while they are in flight, hits queue up and the next proposal
+/// carries them all, so entries stay few and large under load.
+const PROPOSALS_IN_FLIGHT_MAX: usize = 2;
 
 /// Hits for one shard, answered per op in order.
 pub struct WorkItem {
@@ -107,6 +109,7 @@ impl ShardGroup {
             proposals: Arc::new(Semaphore::new(PROPOSALS_IN_FLIGHT_MAX)),
             unreplicated: HashMap::new(),
             replication_failed: Arc::default(),
+            requeued: Arc::default(),
         };
         tokio::spawn(worker.run(queue));
         tokio::spawn(watch_leadership(Arc::downgrade(&group), leaders));
@@ -231,6 +234,9 @@ struct Worker {
     /// majority within `commit_timeout_ms`); leadership is re-confirmed
     /// with a majority before anything more is decided.
     replication_failed: Arc<std::sync::atomic::AtomicBool>,
+    /// Fast mode: states of background proposals that failed, to propose
+    /// again (a failed proposal may still commit; merging twice is harmless).
+    requeued: Arc<Mutex<Vec<ReplicatedCounter>>>,
 }
 
 impl Worker {
@@ -256,7 +262,15 @@ impl Worker {
                     }
                     self.decide_batch(items).await;
                 }
-                _ = tick.tick(), if !self.unreplicated.is_empty() => self.replicate_in_background(),
+                _ = tick.tick() => {
+                    let requeued = std::mem::take(&mut *self.requeued.lock());
+                    for counter in requeued {
+                        self.queue_for_replication(counter.key.clone(), counter.state());
+                    }
+                    if !self.unreplicated.is_empty() {
+                        self.replicate_in_background();
+                    }
+                }
             }
         }
     }
@@ -334,11 +348,7 @@ impl Worker {
                     let _ = reply.send(decisions);
                 }
                 for (key, state) in changed {
-                    let merged = match self.unreplicated.get(&key) {
-                        Some(old) => old.merge(state),
-                        None => state,
-                    };
-                    self.unreplicated.insert(key, merged);
+                    self.queue_for_replication(key, state);
                 }
             }
             Consistency::Strict if changed.is_empty() => {
@@ -356,12 +366,13 @@ impl Worker {
                         .collect(),
                 };
                 let raft = self.raft.clone();
-                let proposals = Arc::clone(&self.proposals);
                 let timeout_ms = self.settings.commit_timeout_ms;
                 let shard = self.shard;
+                // Waiting here (not in the task) lets the queue fill up.
+                let permit = Arc::clone(&self.proposals).acquire_owned().await;
                 tokio::spawn(async move {
                     let committed = async {
-                        let _permit = proposals.acquire_owned().await;
+                        let _permit = permit;
                         raft.client_write(batch).await
                     };
                     let failure =
@@ -424,6 +435,14 @@ impl Worker {
         }
     }
 
+    fn queue_for_replication(&mut self, key: Vec<u8>, state: CounterState) {
+        let merged = match self.unreplicated.get(&key) {
+            Some(old) => old.merge(state),
+            None => state,
+        };
+        self.unreplicated.insert(key, merged);
+    }
+
     /// Fast mode: proposes the accumulated states without waiting for them.
     fn replicate_in_background(&mut self) {
         let Ok(permit) = Arc::clone(&self.proposals).try_acquire_owned() else {
@@ -441,13 +460,16 @@ impl Worker {
         let timeout_ms = self.settings.commit_timeout_ms;
         let shard = self.shard;
         let failed = Arc::clone(&self.replication_failed);
+        let requeued = Arc::clone(&self.requeued);
         tokio::spawn(async move {
             let _permit = permit;
+            let counters = batch.counters.clone();
             let result =
                 tokio::time::timeout(Duration::from_millis(timeout_ms), raft.client_write(batch))
                     .await;
             if !matches!(result, Ok(Ok(_))) {
                 tracing::debug!(shard, "background replication of a batch failed");
+                requeued.lock().extend(counters);
                 failed.store(true, std::sync::atomic::Ordering::Release);
             }
         });
