@@ -244,6 +244,9 @@ fn fast_leader_killed_under_load_forgets_at_most_the_last_interval() {
         let used = used(outcome.survivor, user);
         acknowledged += allowed.len() as i64;
         forgotten += (allowed.len() as i64 - used).max(0);
+        if std::env::var("CLUSTER_TEST_TRACE").is_ok() && allowed.len() as i64 > used {
+            eprintln!("{user}: {} acknowledged, {used} counted", allowed.len());
+        }
         recent += allowed
             .iter()
             .filter(|&&t| t >= window_start && t <= outcome.killed_at)
