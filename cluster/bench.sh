@@ -9,7 +9,8 @@
 # For the cluster, one load generator per node runs at once (each with a
 # third of the connections); throughputs add up, latencies are per node.
 # Settings: LOADTEST (binary), TOLLGATE, CONNECTIONS (48), PIPELINE (16),
-# DURATION (10 s), WARMUP (2 s), ACTORS (100000), BASE_PORT (38321), OUT_DIR.
+# DURATION (10 s), WARMUP (2 s), ACTORS (100000), BASE_PORT (28321, below
+# the ephemeral port range), SHARDS (64), OUT_DIR.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,7 +21,7 @@ PIPELINE=${PIPELINE:-16}
 DURATION=${DURATION:-10}
 WARMUP=${WARMUP:-2}
 ACTORS=${ACTORS:-100000}
-BASE_PORT=${BASE_PORT:-38321}
+BASE_PORT=${BASE_PORT:-28321}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT

@@ -243,23 +243,37 @@ impl ClusterNode {
                         .map(|node| (id, BasicNode::new(node.peer.to_string())))
                 })
                 .collect();
-            if let Err(error) = group.raft.initialize(members).await {
-                // Another replica initialized first, or this one did: fine.
-                tracing::debug!(shard, %error, "initialize");
-            }
-            // The shard's first replica campaigns at once and the others
-            // only after a grace period, so that leaders start spread as
-            // evenly as the placement (same-term races favour high ids).
+            // Initializing a group makes the replica campaign at once, and
+            // same-term races favour high node ids; so only the shard's
+            // first replica initializes at once, which spreads leaders as
+            // the placement spreads first replicas. The others wait until
+            // they follow a leader (then their election timer only fires
+            // when it goes silent) or, if none shows up within a grace
+            // period (first replica down), initialize themselves.
             if self.placement.replicas_of(shard).first() == Some(&self.id) {
                 group.raft.runtime_config().elect(true);
-                if let Err(error) = group.raft.trigger().elect().await {
-                    tracing::debug!(shard, %error, "cannot trigger an election");
+                if let Err(error) = group.raft.initialize(members).await {
+                    tracing::debug!(shard, %error, "initialize");
                 }
             } else {
                 let group = Arc::clone(group);
                 let grace = Duration::from_millis(election_timeout_ms.saturating_mul(4));
                 tokio::spawn(async move {
-                    tokio::time::sleep(grace).await;
+                    let started = Instant::now();
+                    let mut metrics = group.raft.metrics();
+                    while metrics.borrow_and_update().current_leader.is_none() {
+                        let left = (grace * 2).saturating_sub(started.elapsed());
+                        if left.is_zero()
+                            || tokio::time::timeout(left, metrics.changed()).await.is_err()
+                        {
+                            break;
+                        }
+                    }
+                    if group.raft.metrics().borrow().current_leader.is_none() {
+                        if let Err(error) = group.raft.initialize(members).await {
+                            tracing::debug!(shard, %error, "initialize");
+                        }
+                    }
                     group.raft.runtime_config().elect(true);
                 });
             }
