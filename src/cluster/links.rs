@@ -40,6 +40,10 @@ use tokio::sync::{mpsc, oneshot};
 pub const CONNECT_TIMEOUT_MS: u64 = 500;
 /// After a failed connect, calls fail at once for this long.
 pub const RECONNECT_BACKOFF_MS: u64 = 100;
+/// Shortest wait for a Raft RPC's answer. openraft asks for the heartbeat
+/// interval, which a busy follower can miss while the answer is on its way;
+/// treating that as a failure only resends the same entries.
+const RAFT_RPC_TIMEOUT_FLOOR_MS: u64 = 1_000;
 /// Bytes gathered into one write at most (a batch of queued calls).
 const WRITE_BATCH_BYTES_MAX: usize = 1024 * 1024;
 
@@ -327,7 +331,7 @@ impl ShardNetwork {
                 format!("node {} is not in the cluster file", self.target),
             ))));
         };
-        let timeout_ms = option.hard_ttl().as_millis().max(1) as u64;
+        let timeout_ms = (option.hard_ttl().as_millis() as u64).max(RAFT_RPC_TIMEOUT_FLOOR_MS);
         match link.call(request, timeout_ms).await {
             Ok(PeerResponse::Refused(why)) => Err(RPCError::Unreachable(Unreachable::new(
                 &TransportError(why),
