@@ -23,6 +23,10 @@ const BIG_LIMIT: i64 = 1_000_000;
 /// for a two-core machine shared with other builds.
 const FAILOVER_BOUND: Duration = Duration::from_millis(2_500);
 
+/// Longest a hit may wait during a failover: `--forward-timeout-ms` (2 s by
+/// default) is the worst case; unreachable leaders answer at once.
+const PROMPT_ANSWER_BOUND: Duration = Duration::from_millis(2_500);
+
 /// The tests of this file run one at a time: each measures a failover on a
 /// two-core machine and must not share it with another cluster under load.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -109,7 +113,23 @@ fn wait_all_shards_serve(addr: SocketAddr, users: &[String], bound: Duration) ->
             .iter()
             .map(|u| format!("PEEK path=/big user={u}"))
             .collect();
+        let asked = Instant::now();
         let answers = converse(addr, &lines);
+        // During a failover hits answer promptly (never hang), and what is
+        // not OK says which shard is unavailable.
+        assert!(
+            asked.elapsed() < PROMPT_ANSWER_BOUND,
+            "an answer took {:?}",
+            asked.elapsed()
+        );
+        for answer in &answers {
+            assert!(
+                answer.starts_with("OK ")
+                    || (answer.starts_with("ERR unknown \"shard ")
+                        && answer.contains(" unavailable: ")),
+                "{answer}"
+            );
+        }
         if answers.len() == lines.len() && answers.iter().all(|a| a.starts_with("OK")) {
             return start.elapsed();
         }
