@@ -255,8 +255,8 @@ fn fast_leader_killed_under_load_forgets_at_most_the_last_interval() {
         outcome.failover
     );
     // Documented bound: a hit admitted in fast mode is committed within the
-    // replication interval (5 ms) plus two commit timeouts (at most two
-    // proposals in flight, each committing or failing within the timeout),
+    // replication interval (5 ms) plus two commit timeouts (it waits for the
+    // proposal in flight, then its own; each commits or fails in time),
     // so a failover forgets only hits answered within 805 ms of the kill.
     let window_start = outcome.killed_at - Duration::from_millis(805);
     let (mut forgotten, mut recent, mut acknowledged) = (0i64, 0i64, 0i64);

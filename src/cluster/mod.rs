@@ -114,8 +114,9 @@ pub struct ClusterArgs {
     #[arg(long, default_value_t = 4_096)]
     pub batch_ops_max: usize,
 
-    /// Raft log entries between snapshots of a shard.
-    #[arg(long, default_value_t = 1_000)]
+    /// Raft log entries between snapshots of a shard (a snapshot scans the
+    /// node's counters; the log keeps at most this many entries plus 100).
+    #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
 }
 

@@ -6,7 +6,8 @@
 //! proposes the resulting counter states as one Raft entry:
 //! - `strict`: the batch is answered after the entry commits; a commit that
 //!   fails or times out answers every hit of the batch `unavailable` (never
-//!   `true` without a commit). Several batches may be in flight.
+//!   `true` without a commit). One batch is in flight at a time; the next
+//!   gathers every hit that arrived meanwhile (group commit).
 //! - `fast`: the batch is answered at once; states accumulate and are
 //!   proposed every `replication_interval_ms` in the background.
 //!
@@ -32,10 +33,10 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 /// Hits queued for one shard's worker, at most (in ops-carrying items).
 pub const WORK_QUEUE_ITEMS_MAX: usize = 65_536;
-/// Proposals of one shard awaiting commit at once, at most. Small on
-/// purpose: while they are in flight, hits queue up and the next proposal
-/// carries them all, so entries stay few and large under load.
-const PROPOSALS_IN_FLIGHT_MAX: usize = 2;
+/// Proposals of one shard awaiting commit at once, at most (group commit).
+/// One on purpose: while it is in flight, hits queue up and the next
+/// proposal carries them all, so entries stay few and large under load.
+const PROPOSALS_IN_FLIGHT_MAX: usize = 1;
 
 /// Hits for one shard, answered per op in order.
 pub struct WorkItem {
