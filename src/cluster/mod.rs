@@ -93,8 +93,10 @@ pub struct ClusterArgs {
     #[arg(long, default_value_t = 5)]
     pub replication_interval_ms: u64,
 
-    /// Strict mode: how long a batch may wait for its commit, in
-    /// milliseconds, before its hits answer `unavailable`.
+    /// How long a proposal may wait for its commit, in milliseconds: in
+    /// strict mode its hits then answer `unavailable`; in fast mode the
+    /// leader re-confirms its leadership before deciding more. Also bounds
+    /// a new leader's confirmation.
     #[arg(long, default_value_t = 1_000)]
     pub commit_timeout_ms: u64,
 

@@ -209,6 +209,13 @@ async fn watch_leadership(group: std::sync::Weak<ShardGroup>, leaders: Arc<Leade
         {
             let Some(group) = group.upgrade() else { return };
             let m = metrics.borrow_and_update();
+            if let Err(fatal) = &m.running_state {
+                // The group cannot serve again in this process; its peers
+                // still can (the node is one replica of three).
+                tracing::error!(shard = group.shard, %fatal, "shard group stopped");
+                leaders.set(group.shard, None, m.current_term);
+                return;
+            }
             leaders.set(group.shard, m.current_leader, m.current_term);
             let applied = m.last_applied;
             drop(m);
