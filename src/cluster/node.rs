@@ -2,11 +2,13 @@
 //! to peers, the peer-port server, and joining at startup.
 //!
 //! Joining: the node asks every peer what it knows (bounded by
-//! `join_wait_ms`). A shard that no peer has established yet is initialized
-//! (every replica does it; openraft ignores repeats) and may elect at once. A
-//! shard some peer has established means this node restarted and lost its
-//! in-memory log: its replica joins as *recovering* (see `shard.rs`) and
-//! catches up from the leader by log replay or snapshot.
+//! `join_wait_ms`). A shard that no peer has established yet is new: its
+//! first replica initializes it and campaigns; the other replicas wait to
+//! follow it (or initialize it themselves after a grace period, when the
+//! first replica is down). A shard some peer has established means this
+//! node restarted and lost its in-memory log: its replica joins as
+//! *recovering* (see `shard.rs`) and catches up from the leader by log
+//! replay or snapshot.
 
 use super::links::{LinkError, Links, PeerLink};
 use super::placement::Placement;
