@@ -5,9 +5,12 @@
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, UnavailablePolicy};
 use crate::metrics::Metrics;
+use crate::observability::health::Readiness;
+use crate::observability::{Observability, Observed};
 use crate::rules::RuleSet;
 use crate::server::{Limits, Server, ServerConfig};
-use crate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
+use crate::store::redis::{BackendKind, Persistence, RedisArgs, RedisBackend};
+use crate::store::{Backend, MemoryBackend, MemoryStore, MemoryStoreConfig};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use std::net::SocketAddr;
@@ -55,6 +58,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     pub idle_timeout_ms: u64,
 
+    /// A request line must be complete this many milliseconds after its
+    /// first byte arrived (0: no limit); drops slowloris clients.
+    #[arg(long, default_value_t = Limits::default().line_timeout_ms)]
+    pub line_timeout_ms: u64,
+
     /// On SIGINT/SIGTERM, how long to let connections finish what they read.
     #[arg(long, default_value_t = 5_000)]
     pub drain_timeout_ms: u64,
@@ -81,9 +89,22 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = UnavailablePolicy::Error)]
     pub unavailable_policy: UnavailablePolicy,
 
+    /// Write the process id here once serving (for `tollgate reload`).
+    #[arg(long)]
+    pub pid_file: Option<PathBuf>,
+
     /// Log format on stderr (filter with RUST_LOG; DEBUG=divvy logs each rule).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub droplet: crate::droplet::DropletArgs,
+
+    #[command(flatten)]
+    pub observability: crate::observability::ObservabilityArgs,
+
+    #[command(flatten)]
+    pub redis: RedisArgs,
 
     #[command(flatten)]
     pub cluster: crate::cluster::ClusterArgs,
@@ -98,8 +119,10 @@ pub fn init_logging(format: LogFormat) {
             filter = filter.add_directive(directive);
         }
     }
+    use std::io::IsTerminal as _;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -122,11 +145,39 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         stripes: args.stripes.max(4 * threads),
         live_keys_max: args.live_keys_max,
     }));
-    store.spawn_sweeper(
-        Arc::clone(&clock),
-        Duration::from_millis(args.sweep_interval_ms.max(1)),
-        args.sweep_entries_per_tick.max(1),
-    );
+    store
+        .spawn_sweeper(
+            Arc::clone(&clock),
+            Duration::from_millis(args.sweep_interval_ms.max(1)),
+            args.sweep_entries_per_tick.max(1),
+        )
+        .context("cannot start the sweeper thread")?;
+    let buckets = args
+        .droplet
+        .buckets(
+            args.stripes.max(4 * threads),
+            &clock,
+            args.sweep_interval_ms,
+            args.sweep_entries_per_tick,
+        )
+        .context("cannot start the bucket sweeper thread")?;
+    let metrics = Metrics::new();
+    let rule_count = rules.rules().len();
+    let source = rules.source.clone();
+    let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
+    let persist_config = args.redis.persist_config()?;
+    if args.cluster.cluster_file.is_some() {
+        if args.redis.persist_redis.is_some() {
+            anyhow::bail!(
+                "--persist-redis cannot be used with --cluster: in cluster mode the counters are replicated by Raft, not persisted to Redis"
+            );
+        }
+        if args.redis.backend != BackendKind::Memory {
+            anyhow::bail!(
+                "--backend redis cannot be used with --cluster: the cluster keeps its counters in memory on each node"
+            );
+        }
+    }
     let cluster = crate::cluster::start(
         &args.cluster,
         &rules,
@@ -134,26 +185,50 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Arc::clone(&clock),
     )
     .context("cannot join the cluster")?;
-    let backend: Arc<dyn crate::store::Backend> = match &cluster {
-        Some(cluster) => cluster.backend(),
-        None => Arc::new(MemoryBackend { store }),
+    let backend: Arc<dyn Backend> = match (&cluster, args.redis.backend) {
+        (Some(cluster), _) => cluster.backend(),
+        (None, BackendKind::Memory) => Arc::new(MemoryBackend {
+            store: Arc::clone(&store),
+        }),
+        (None, BackendKind::Redis) => Arc::new(RedisBackend::start(
+            &args.redis,
+            &rules,
+            Arc::clone(&metrics),
+        )?),
     };
     let listen = args
         .listen
         .or(cluster.as_ref().map(|c| c.client_addr()))
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], args.port)));
-    let metrics = Metrics::new();
-    let rule_count = rules.rules().len();
-    let source = rules.source.clone();
     let backend_name = match &cluster {
         Some(cluster) => cluster.describe(),
         None => backend.name().to_string(),
     };
-    let mut engine = Engine::new(rules, backend, clock, metrics, args.unavailable_policy);
+    let mut engine = Engine::new(
+        rules,
+        backend,
+        Arc::clone(&clock),
+        metrics,
+        args.unavailable_policy,
+    );
     if let Some(cluster) = &cluster {
         engine = engine.with_extension(cluster.topology_command());
     }
-    let engine = Arc::new(engine);
+    let droplet_lines = crate::droplet::LineCommands::new(Arc::clone(&buckets));
+    let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
+    // Loads the persisted counters before serving.
+    let persistence = persist_config
+        .map(|config| Persistence::start(config, Arc::clone(&store), Arc::clone(&engine)))
+        .transpose()?;
+    let observability = Observability::start(
+        &args.observability,
+        Observed {
+            engine: Arc::clone(&engine),
+            store: Some(store),
+            buckets: Some(Arc::clone(&buckets)),
+            readiness,
+        },
+    )?;
     let config = ServerConfig {
         listen,
         threads,
@@ -162,40 +237,147 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             connections_max: args.connections_max.max(1),
             pipeline_max: args.pipeline_max.max(1),
             idle_timeout_ms: args.idle_timeout_ms,
+            line_timeout_ms: args.line_timeout_ms,
         },
         drain_timeout_ms: args.drain_timeout_ms,
     };
-    let server =
-        Server::bind(config, engine).with_context(|| format!("cannot listen on {listen}"))?;
+    let mut signals = Signals::install()?;
+    let server = Server::bind(config, Arc::clone(&engine))
+        .with_context(|| format!("cannot listen on {listen}"))?;
     let local_addr = server.local_addr();
     let running = server.spawn().context("cannot start serving threads")?;
+    if let Some(pid_file) = &args.pid_file {
+        std::fs::write(pid_file, format!("{}\n", std::process::id()))
+            .with_context(|| format!("cannot write the pid file {}", pid_file.display()))?;
+    }
     println!(
         "tollgate: listening on {local_addr} (divvy protocol), rules: {source} ({rule_count} rules), backend: {backend_name}, threads: {threads}"
     );
+    let droplet = args
+        .droplet
+        .serve(
+            buckets,
+            clock,
+            threads,
+            args.connections_max,
+            args.drain_timeout_ms,
+        )
+        .context("cannot start the droplet endpoint")?;
+    observability.readiness().set_serving(true);
+    if let Some(droplet) = &droplet {
+        println!(
+            "tollgate: listening on {} (droplet protocol)",
+            droplet.local_addr
+        );
+    }
+    if let Some(url) = observability.metrics_url() {
+        println!("tollgate: serving Prometheus metrics at {url}, health at /healthz and /readyz");
+    }
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
 
-    wait_for_signal()?;
+    loop {
+        match signals.wait() {
+            Signal::Stop => break,
+            Signal::Reload => reload_rules(&engine, args.config.as_deref()),
+        }
+    }
     tracing::info!("shutting down: draining connections");
+    observability.readiness().set_serving(false);
     running.stop();
+    if let Some(droplet) = droplet {
+        droplet.stop();
+    }
+    if let Some(persistence) = persistence {
+        match persistence.stop_and_flush() {
+            Ok(written) => tracing::info!(written, "persisted every counter"),
+            Err(error) => tracing::warn!(%error, "the last persistence pass failed"),
+        }
+    }
+    observability.stop();
+    if let Some(pid_file) = &args.pid_file {
+        let _ = std::fs::remove_file(pid_file);
+    }
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
 }
 
-/// Blocks until SIGINT or SIGTERM.
-pub fn wait_for_signal() -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the signal runtime")?;
-    runtime.block_on(async {
+/// What the process was told by a signal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// SIGINT or SIGTERM: drain and exit.
+    Stop,
+    /// SIGHUP: re-read the rule file.
+    Reload,
+}
+
+/// The signal handlers, installed before the server announces itself so that
+/// no signal can arrive while its default action (termination) still applies.
+pub struct Signals {
+    runtime: tokio::runtime::Runtime,
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    pub fn install() -> anyhow::Result<Signals> {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut terminate = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
-        let mut interrupt = signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?;
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = interrupt.recv() => {}
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the signal runtime")?;
+        let _context = runtime.enter();
+        Ok(Signals {
+            terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
+            interrupt: signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?,
+            hangup: signal(SignalKind::hangup()).context("cannot listen for SIGHUP")?,
+            runtime,
+        })
+    }
+
+    /// Blocks until the next signal.
+    pub fn wait(&mut self) -> Signal {
+        let Signals {
+            runtime,
+            terminate,
+            interrupt,
+            hangup,
+        } = self;
+        runtime.block_on(async {
+            tokio::select! {
+                _ = terminate.recv() => Signal::Stop,
+                _ = interrupt.recv() => Signal::Stop,
+                _ = hangup.recv() => Signal::Reload,
+            }
+        })
+    }
+}
+
+/// Re-reads the rule file: a valid file replaces the rules without dropping
+/// connections (counters of unchanged rules keep counting); an invalid one is
+/// refused with the error logged, and the current rules stay.
+pub fn reload_rules(engine: &Engine, config: Option<&std::path::Path>) {
+    let Some(path) = config else {
+        tracing::warn!(
+            "SIGHUP: serving the embedded default rules, there is no rule file to reload"
+        );
+        return;
+    };
+    let checked = RuleSet::load_file(path)
+        .map_err(|error| error.to_string())
+        .and_then(|rules| match engine.backend().check_rules(&rules) {
+            Ok(()) => Ok(rules),
+            Err(error) => Err(error.to_string()),
+        });
+    match checked {
+        Ok(rules) => {
+            let count = rules.rules().len();
+            engine.replace_rules(rules);
+            tracing::info!(path = %path.display(), rules = count, "rules reloaded");
         }
-        Ok(())
-    })
+        Err(error) => {
+            tracing::error!(path = %path.display(), %error, "reload refused, keeping the current rules");
+        }
+    }
 }

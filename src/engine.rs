@@ -3,6 +3,9 @@
 //! counted, and a [`Reply`] comes out. Connections call [`Engine::execute`];
 //! nothing here touches a socket.
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
@@ -86,12 +89,30 @@ pub struct LoadedRules {
     label_counters: Vec<Arc<LabelCounters>>,
 }
 
+/// When a batch of request lines arrived: every line read by one syscall
+/// shares it, so the clocks are read once per read, not once per request.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    /// For `divvy_hit_duration_seconds`: time from receipt to decision.
+    pub received: Instant,
+    /// The limiter's time (wall-clock milliseconds from the engine's clock).
+    pub now_ms: u64,
+}
+
 /// One evaluated rule of a request: its position and, for limited quotas, the
 /// index of its counter op (otherwise its fixed decision).
 #[derive(Clone, Copy)]
 enum Step {
     Fixed(usize, Decision),
     Counter(usize, usize),
+}
+
+impl Step {
+    fn position(self) -> usize {
+        match self {
+            Step::Fixed(position, _) | Step::Counter(position, _) => position,
+        }
+    }
 }
 
 type Plan = SmallVec<[Step; 2]>;
@@ -164,9 +185,16 @@ impl Engine {
         &self.clock
     }
 
-    /// Executes one request line (without its terminator).
-    pub fn execute(self: &Arc<Self>, line: &[u8]) -> Outcome {
-        let started = Instant::now();
+    /// Reads the clocks for a batch of lines that just arrived.
+    pub fn arrival(&self) -> Arrival {
+        Arrival {
+            received: Instant::now(),
+            now_ms: self.clock.now_ms(),
+        }
+    }
+
+    /// Executes one request line (without its terminator) that arrived at `arrival`.
+    pub fn execute(self: &Arc<Self>, line: &[u8], arrival: Arrival) -> Outcome {
         let text = match std::str::from_utf8(line) {
             Ok(text) => Cow::Borrowed(text),
             Err(_) => String::from_utf8_lossy(line),
@@ -186,12 +214,11 @@ impl Engine {
             }
         };
         match command.verb {
-            Verb::Hit => self.hit(&command.pairs, false, started),
-            Verb::Peek => self.hit(&command.pairs, true, started),
+            Verb::Hit => self.hit(&command.pairs, false, arrival),
+            Verb::Peek => self.hit(&command.pairs, true, arrival),
             verb => {
-                let now_ms = self.clock.now_ms();
                 for extension in &self.extensions {
-                    if let Some(outcome) = extension.execute(verb, &command.pairs, now_ms) {
+                    if let Some(outcome) = extension.execute(verb, &command.pairs, arrival.now_ms) {
                         return outcome;
                     }
                 }
@@ -210,7 +237,7 @@ impl Engine {
         }
     }
 
-    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, started: Instant) -> Outcome {
+    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
         let loaded = self.rules.load();
         let mut ops: SmallVec<[CounterOp<'_>; 2]> = SmallVec::new();
         let mut plan = Plan::new();
@@ -223,35 +250,37 @@ impl Engine {
                 Quota::Limited {
                     credit_limit,
                     reset_seconds,
-                } => {
-                    let quota = WindowQuota::new(credit_limit, reset_seconds)
-                        .expect("limited quotas are positive");
-                    ops.push(CounterOp {
-                        rule,
-                        actor: rule.actor(pairs),
-                        quota,
-                        peek,
-                    });
-                    Step::Counter(rule.position, ops.len() - 1)
-                }
+                } => match WindowQuota::new(credit_limit, reset_seconds) {
+                    Some(quota) => {
+                        ops.push(CounterOp {
+                            rule,
+                            actor: rule.actor(pairs),
+                            quota,
+                            peek,
+                        });
+                        Step::Counter(rule.position, ops.len() - 1)
+                    }
+                    // Validation makes both positive; never count against a zero quota.
+                    None => Step::Fixed(rule.position, Decision::ALWAYS_DENY),
+                },
             };
             plan.push(step);
         }
         if ops.is_empty() {
-            return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, started));
+            return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, arrival));
         }
-        let decided = self.backend.decide(&ops, self.clock.now_ms());
+        let decided = self.backend.decide(&ops, arrival.now_ms);
         drop(ops);
         match decided {
             Decided::Ready(decisions) => {
-                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, started))
+                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival))
             }
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = arc_swap::Guard::into_inner(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, decisions, peek, started)
+                    engine.finish(&loaded, &plan, decisions, peek, arrival)
                 }))
             }
         }
@@ -265,7 +294,7 @@ impl Engine {
         plan: &Plan,
         decisions: Decisions,
         peek: bool,
-        started: Instant,
+        arrival: Arrival,
     ) -> Reply {
         let mut last: Option<Result<Decision, &BackendError>> = None;
         for step in plan {
@@ -299,7 +328,7 @@ impl Engine {
         match last {
             Some(Ok(decision)) => {
                 if !peek {
-                    self.metrics.hit_duration(started.elapsed());
+                    self.metrics.hit_duration(arrival.received.elapsed());
                 }
                 Reply::Decision(decision)
             }
@@ -316,21 +345,14 @@ impl Engine {
             }
             UnavailablePolicy::Deny => Reply::Decision(Decision::ALWAYS_DENY),
             UnavailablePolicy::Allow => {
-                let limit = plan
-                    .last()
-                    .and_then(|step| {
-                        match loaded.set.rules()[match *step {
-                            Step::Fixed(p, _) | Step::Counter(p, _) => p,
-                        }]
-                        .quota
-                        {
+                let credit_limit =
+                    plan.last()
+                        .map_or(0, |step| match loaded.set.rules()[step.position()].quota {
                             Quota::Limited { credit_limit, .. }
-                            | Quota::AlwaysAllow { credit_limit } => Some(credit_limit),
-                            Quota::AlwaysDeny => None,
-                        }
-                    })
-                    .unwrap_or(0);
-                Reply::Decision(Decision::always_allow(limit))
+                            | Quota::AlwaysAllow { credit_limit } => credit_limit,
+                            Quota::AlwaysDeny => 0,
+                        });
+                Reply::Decision(Decision::always_allow(credit_limit))
             }
         }
     }

@@ -16,6 +16,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at startup
 enum Command {
     /// Serve the divvy line protocol. Without CONFIG, runs on the embedded
     /// default (the example configuration of divvy's README).
@@ -24,6 +25,16 @@ enum Command {
     CheckConfig {
         /// A `.ini` or `.json` rule file.
         file: PathBuf,
+    },
+    /// Make a running server re-read its rule file (sends it SIGHUP). An
+    /// invalid file is refused by the server, which keeps its rules and logs why.
+    Reload {
+        /// The `--pid-file` the server was started with.
+        #[arg(long, conflicts_with = "pid", required_unless_present = "pid")]
+        pid_file: Option<PathBuf>,
+        /// The server's process id.
+        #[arg(long)]
+        pid: Option<i32>,
     },
     /// Cluster tools (`tollgate cluster status`).
     #[command(subcommand)]
@@ -63,6 +74,7 @@ fn main() -> ExitCode {
         Command::Cluster(ClusterCommand::Status(args)) => {
             tollgate::cluster::status::status_command(&args)
         }
+        Command::Reload { pid_file, pid } => reload(pid_file.as_deref(), pid),
     };
     match result {
         Ok(code) => code,
@@ -71,6 +83,31 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn reload(pid_file: Option<&Path>, pid: Option<i32>) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+    let pid = match (pid, pid_file) {
+        (Some(pid), _) => pid,
+        (None, Some(file)) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("cannot read {}", file.display()))?;
+            text.trim()
+                .parse()
+                .with_context(|| format!("{} does not hold a process id", file.display()))?
+        }
+        (None, None) => anyhow::bail!("give --pid-file or --pid"),
+    };
+    anyhow::ensure!(pid > 0, "invalid process id {pid}");
+    // SAFETY: kill(2) with a valid signal number has no memory-safety preconditions.
+    if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
+        anyhow::bail!(
+            "cannot signal process {pid}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    println!("tollgate: asked process {pid} to reload its rules");
+    Ok(ExitCode::SUCCESS)
 }
 
 fn describe_quota(quota: &Quota) -> String {
@@ -103,6 +140,9 @@ fn check_config(file: &Path) -> anyhow::Result<ExitCode> {
         }
         if let Some(label) = &rule.label {
             extra.push_str(&format!(", label {label}"));
+        }
+        if rule.algorithm != tollgate::rules::Algorithm::default() {
+            extra.push_str(&format!(", {}", rule.algorithm));
         }
         println!(
             "  {:>3}. [{}] {}{extra}",

@@ -1,13 +1,19 @@
 //! The server's counters, recorded on the hot path with relaxed atomics and
 //! read by exporters (Prometheus, statsd). Hit counters are kept per
 //! (rule label, status) in cells that outlive rule reloads, so Prometheus
-//! counters never go backwards.
+//! counters never go backwards. Nothing here formats or sends anything: the
+//! exporters in [`crate::observability`] read these cells when they run, so
+//! the cost on the request path is a few relaxed atomic additions (plus one
+//! push onto a per-thread bounded queue per HIT while statsd is on).
 
 use crate::protocol::ErrorCode;
+use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// The four outcomes divvy counts per evaluated rule.
@@ -62,18 +68,141 @@ impl LabelCounters {
     }
 }
 
+/// Every error code, in the order of [`Metrics::errors`]' cells.
+pub const ERROR_CODES: [ErrorCode; 2] = [ErrorCode::UnknownCommand, ErrorCode::Unknown];
+
 /// Upper bounds of divvy's `divvy_hit_duration_seconds` buckets, in seconds.
 pub const HIT_DURATION_BUCKETS_SECONDS: [f64; 6] = [0.001, 0.002, 0.005, 0.01, 0.1, 0.5];
+
+/// Why statsd lines were dropped instead of sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatsdDrop {
+    /// A HIT's timing did not fit in the bounded queue to the sender thread.
+    QueueFull,
+    /// The sink refused, was unreachable, or was too slow to take a payload.
+    SendFailed,
+}
+
+impl StatsdDrop {
+    pub const ALL: [StatsdDrop; 2] = [StatsdDrop::QueueFull, StatsdDrop::SendFailed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StatsdDrop::QueueFull => "queue_full",
+            StatsdDrop::SendFailed => "send_failed",
+        }
+    }
+}
+
+/// HIT durations on their way to the statsd sender. One bounded queue per
+/// recording thread (threads take shards in turn on first use), so that the
+/// serving cores never contend for a cache line here; a full shard drops the
+/// timing and counts it in that shard.
+#[derive(Debug)]
+pub struct HitTimings {
+    shards: Box<[CachePadded<TimingShard>]>,
+}
+
+#[derive(Debug)]
+struct TimingShard {
+    /// Durations in microseconds.
+    queue: ArrayQueue<u32>,
+    dropped: AtomicU64,
+}
+
+/// The shard number the next recording thread takes.
+static NEXT_TIMING_SHARD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// This thread's shard number (before masking), `usize::MAX` until its
+    /// first timing.
+    static TIMING_SHARD: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn timing_shard_of_this_thread() -> usize {
+    TIMING_SHARD.with(|shard| {
+        if shard.get() == usize::MAX {
+            shard.set(NEXT_TIMING_SHARD.fetch_add(1, Ordering::Relaxed) & (usize::MAX >> 1));
+        }
+        shard.get()
+    })
+}
+
+impl HitTimings {
+    /// `capacity` timings in all, split over `shards` queues (rounded up to
+    /// a power of two).
+    pub fn new(capacity: usize, shards: usize) -> HitTimings {
+        let shards = shards.max(1).next_power_of_two();
+        let per_shard = (capacity / shards).max(1);
+        HitTimings {
+            shards: (0..shards)
+                .map(|_| {
+                    CachePadded::new(TimingShard {
+                        queue: ArrayQueue::new(per_shard),
+                        dropped: AtomicU64::new(0),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Queues one duration, or drops and counts it when this thread's shard
+    /// is full. Never blocks.
+    pub fn push(&self, micros: u32) {
+        let shard = &self.shards[timing_shard_of_this_thread() & (self.shards.len() - 1)];
+        // `is_full` first: a push into a full queue pays for a full fence.
+        if shard.queue.is_full() || shard.queue.push(micros).is_err() {
+            shard.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Timings queued now, over all shards.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.queue.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes at most what each shard holds when reached, so a flood of new
+    /// timings cannot keep the caller here.
+    pub fn drain(&self, mut take: impl FnMut(u32)) {
+        for shard in self.shards.iter() {
+            for _ in 0..shard.queue.len() {
+                match shard.queue.pop() {
+                    Some(micros) => take(micros),
+                    None => break,
+                }
+            }
+        }
+    }
+
+    /// Timings dropped because their shard was full, since start.
+    pub fn dropped(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.dropped.load(Ordering::Relaxed))
+            .sum()
+    }
+}
 
 #[derive(Debug, Default)]
 pub struct Metrics {
     connections_open: AtomicI64,
+    connections_accepted: AtomicU64,
     connections_refused: AtomicU64,
     errors: [AtomicU64; 2],
     labels: Mutex<HashMap<String, Arc<LabelCounters>>>,
     /// Counts per bucket of [`HIT_DURATION_BUCKETS_SECONDS`], plus one for +Inf.
     hit_duration_buckets: [AtomicU64; 7],
     hit_duration_sum_ns: AtomicU64,
+    backend_errors: AtomicU64,
+    /// Inverted so that the default (`false`) means healthy.
+    backend_unhealthy: AtomicBool,
+    /// Set once when statsd is enabled, absent otherwise.
+    hit_timings: OnceLock<Arc<HitTimings>>,
+    statsd_send_failed: AtomicU64,
 }
 
 impl Metrics {
@@ -116,6 +245,16 @@ impl Metrics {
         self.hit_duration_buckets[bucket].fetch_add(1, Ordering::Relaxed);
         self.hit_duration_sum_ns
             .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+        if let Some(timings) = self.hit_timings.get() {
+            timings.push(u32::try_from(elapsed.as_micros()).unwrap_or(u32::MAX));
+        }
+    }
+
+    /// Starts copying each HIT's duration into `timings`, for the statsd
+    /// sender to drain. Returns `false` if some were already attached (the
+    /// first stay).
+    pub fn attach_hit_timings(&self, timings: Arc<HitTimings>) -> bool {
+        self.hit_timings.set(timings).is_ok()
     }
 
     /// Non-cumulative counts per bucket (last is +Inf) and the sum in seconds.
@@ -135,6 +274,12 @@ impl Metrics {
 
     pub fn connection_opened(&self) {
         self.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.connections_accepted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Connections served since start (refused ones not included).
+    pub fn connections_accepted(&self) -> u64 {
+        self.connections_accepted.load(Ordering::Relaxed)
     }
 
     pub fn connection_closed(&self) {
@@ -151,5 +296,88 @@ impl Metrics {
 
     pub fn connections_refused(&self) -> u64 {
         self.connections_refused.load(Ordering::Relaxed)
+    }
+
+    /// A backend request failed (Redis error or timeout; the cluster's
+    /// forwarding failures once it exists).
+    pub fn backend_error(&self) {
+        self.backend_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn backend_errors(&self) -> u64 {
+        self.backend_errors.load(Ordering::Relaxed)
+    }
+
+    /// The backend says whether it can currently decide hits (Redis
+    /// reachable). `/readyz` fails while it is unhealthy.
+    pub fn set_backend_healthy(&self, healthy: bool) {
+        self.backend_unhealthy.store(!healthy, Ordering::Relaxed);
+    }
+
+    pub fn backend_healthy(&self) -> bool {
+        !self.backend_unhealthy.load(Ordering::Relaxed)
+    }
+
+    /// The statsd sink did not take `lines` lines.
+    pub fn statsd_send_failed(&self, lines: u64) {
+        self.statsd_send_failed.fetch_add(lines, Ordering::Relaxed);
+    }
+
+    /// Statsd lines dropped for `reason` since start.
+    pub fn statsd_dropped_total(&self, reason: StatsdDrop) -> u64 {
+        match reason {
+            StatsdDrop::QueueFull => self.hit_timings.get().map_or(0, |t| t.dropped()),
+            StatsdDrop::SendFailed => self.statsd_send_failed.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timings_are_bounded_and_every_drop_is_counted() {
+        let timings = Arc::new(HitTimings::new(8, 2));
+        std::thread::scope(|scope| {
+            for thread in 0..2u32 {
+                let timings = &timings;
+                scope.spawn(move || (0..6).for_each(|i| timings.push(thread * 100 + i)));
+            }
+        });
+        // Two shards of 4; which thread lands on which shard depends on the
+        // other threads of the process, so only the totals are fixed.
+        assert!(timings.len() <= 8);
+        assert_eq!(timings.len() as u64 + timings.dropped(), 12);
+        let mut drained = Vec::new();
+        timings.drain(|micros| drained.push(micros));
+        assert_eq!(drained.len() as u64 + timings.dropped(), 12);
+        // Within a thread, the first timings are kept and the overflow dropped.
+        for thread in 0..2u32 {
+            let kept: Vec<u32> = drained
+                .iter()
+                .copied()
+                .filter(|m| m / 100 == thread)
+                .collect();
+            let expected: Vec<u32> = (0..kept.len() as u32).map(|i| thread * 100 + i).collect();
+            assert_eq!(kept, expected);
+        }
+        assert!(timings.is_empty());
+    }
+
+    #[test]
+    fn hit_durations_reach_attached_timings_and_the_histogram() {
+        let metrics = Metrics::new();
+        metrics.hit_duration(Duration::from_micros(1_500));
+        let timings = Arc::new(HitTimings::new(4, 1));
+        assert!(metrics.attach_hit_timings(Arc::clone(&timings)));
+        assert!(!metrics.attach_hit_timings(Arc::new(HitTimings::new(4, 1))));
+        metrics.hit_duration(Duration::from_micros(250));
+        let mut drained = Vec::new();
+        timings.drain(|micros| drained.push(micros));
+        assert_eq!(drained, [250], "only durations after attaching");
+        let (counts, _) = metrics.hit_durations();
+        assert_eq!(counts, [1, 1, 0, 0, 0, 0, 0]);
+        assert_eq!(metrics.statsd_dropped_total(StatsdDrop::QueueFull), 0);
     }
 }

@@ -2,6 +2,21 @@
 //! state)`. No clock reads, no locks, no I/O, so they are tested exhaustively
 //! against naive models and shared by every backend that keeps state itself
 //! (memory store, cluster replicas).
+//!
+//! One file per algorithm besides the fixed window kept here:
+//! [`token_bucket`] (exact continuous refill, shared with droplet's buckets),
+//! [`sliding_window`] (the two-window estimate), and [`droplet_bucket`] (the
+//! multi-period buckets of droplet's protocol, SPEC §7).
+
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod droplet_bucket;
+pub mod sliding_window;
+pub mod token_bucket;
+
+pub use sliding_window::sliding_window_hit;
+pub use token_bucket::{token_bucket_hit, FullAt, Refill};
 
 /// What one hit is told: the three numbers of an `OK` line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,7 +47,7 @@ impl Decision {
     }
 }
 
-fn clamp_i64(n: u64) -> i64 {
+pub(crate) fn clamp_i64(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
@@ -41,12 +56,25 @@ pub fn round_ms_to_seconds(ms_left: u64) -> i64 {
     clamp_i64(ms_left.saturating_add(500) / 1000)
 }
 
-/// A counter's state as the store keeps it.
+/// A counter's state as the store keeps it: one variant per rule algorithm.
+/// A rule's counter identity includes its algorithm, so one key only ever
+/// holds one variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CounterState {
     /// Fixed window (divvy): the window closes at `end_ms`; `used` hits were
     /// admitted in it.
     Window { end_ms: u64, used: u64 },
+    /// Token bucket: full again at `full_at` (see [`FullAt`]); absent means
+    /// full.
+    TokenBucket { full_at: FullAt },
+    /// Sliding window: `current` hits admitted in the current window,
+    /// `previous` in the one before. The current window starts two window
+    /// lengths before `expires_at_ms`, when neither count weighs any more.
+    SlidingWindow {
+        expires_at_ms: u64,
+        current: u64,
+        previous: u64,
+    },
 }
 
 impl CounterState {
@@ -54,12 +82,29 @@ impl CounterState {
     pub fn expires_at_ms(&self) -> u64 {
         match *self {
             CounterState::Window { end_ms, .. } => end_ms,
+            CounterState::TokenBucket { full_at } => full_at.full_at_ms(),
+            CounterState::SlidingWindow { expires_at_ms, .. } => expires_at_ms,
+        }
+    }
+
+    /// Orders the variants, so that merging two different ones (which one key
+    /// never holds) is still deterministic.
+    fn variant_rank(&self) -> u8 {
+        match self {
+            CounterState::Window { .. } => 0,
+            CounterState::TokenBucket { .. } => 1,
+            CounterState::SlidingWindow { .. } => 2,
         }
     }
 
     /// Merges a replicated copy into this one so that applying states in any
-    /// order, any number of times, gives the same result: the later window
-    /// wins; within one window the larger count wins.
+    /// order, any number of times, gives the same result (idempotent,
+    /// commutative, associative):
+    /// - fixed window: the later window wins; within one window the larger
+    ///   count wins;
+    /// - token bucket: the later full-again instant (the emptier bucket) wins;
+    /// - sliding window: the later window wins; within one window each count
+    ///   takes the larger value.
     pub fn merge(self, other: CounterState) -> CounterState {
         match (self, other) {
             (
@@ -83,6 +128,43 @@ impl CounterState {
                         end_ms: a_end,
                         used: a_used.max(b_used),
                     }
+                }
+            }
+            (
+                CounterState::TokenBucket { full_at: a },
+                CounterState::TokenBucket { full_at: b },
+            ) => CounterState::TokenBucket { full_at: a.max(b) },
+            (
+                CounterState::SlidingWindow {
+                    expires_at_ms: a_end,
+                    current: a_current,
+                    previous: a_previous,
+                },
+                CounterState::SlidingWindow {
+                    expires_at_ms: b_end,
+                    current: b_current,
+                    previous: b_previous,
+                },
+            ) => {
+                if a_end != b_end {
+                    if a_end > b_end {
+                        self
+                    } else {
+                        other
+                    }
+                } else {
+                    CounterState::SlidingWindow {
+                        expires_at_ms: a_end,
+                        current: a_current.max(b_current),
+                        previous: a_previous.max(b_previous),
+                    }
+                }
+            }
+            _ => {
+                if self.variant_rank() >= other.variant_rank() {
+                    self
+                } else {
+                    other
                 }
             }
         }
@@ -123,7 +205,12 @@ pub fn fixed_window_hit(
     quota: WindowQuota,
     now_ms: u64,
 ) -> (Decision, Option<CounterState>) {
-    let live = state.filter(|s| s.expires_at_ms() > now_ms);
+    // Another algorithm's state never shares a key with a window; if it did,
+    // it would read as absent.
+    let live = match state {
+        Some(CounterState::Window { end_ms, used }) if end_ms > now_ms => Some((end_ms, used)),
+        _ => None,
+    };
     match live {
         None => {
             let end_ms = now_ms.saturating_add(quota.period_ms);
@@ -134,7 +221,7 @@ pub fn fixed_window_hit(
             };
             (decision, Some(CounterState::Window { end_ms, used: 1 }))
         }
-        Some(CounterState::Window { end_ms, used }) => {
+        Some((end_ms, used)) => {
             let next_reset_seconds = round_ms_to_seconds(end_ms - now_ms);
             if used < quota.credit_limit {
                 let used = used + 1;

@@ -115,3 +115,74 @@ proptest! {
         }
     }
 }
+
+fn any_counter_state() -> impl Strategy<Value = CounterState> {
+    // Small ranges so that equal windows and instants (the tie cases) are common.
+    prop_oneof![
+        (0u64..4, 0u64..4).prop_map(|(end_ms, used)| CounterState::Window { end_ms, used }),
+        (0u64..4, 0u64..3).prop_map(|(ms, shortfall)| {
+            let rate = Refill::new(3, 10).unwrap();
+            CounterState::TokenBucket {
+                full_at: FullAt::from_shortfall(rate, ms, i128::from(shortfall)),
+            }
+        }),
+        (0u64..4, 0u64..4, 0u64..4).prop_map(|(expires_at_ms, current, previous)| {
+            CounterState::SlidingWindow {
+                expires_at_ms,
+                current,
+                previous,
+            }
+        }),
+    ]
+}
+
+proptest! {
+    /// Replication applies merged states in any order, any number of times.
+    #[test]
+    fn merge_is_idempotent_commutative_and_associative_for_every_algorithm(
+        a in any_counter_state(),
+        b in any_counter_state(),
+        c in any_counter_state(),
+    ) {
+        prop_assert_eq!(a.merge(a), a);
+        prop_assert_eq!(a.merge(b), b.merge(a));
+        prop_assert_eq!(a.merge(b).merge(c), a.merge(b.merge(c)));
+    }
+}
+
+#[test]
+fn merge_keeps_the_emptier_token_bucket_and_the_later_sliding_window() {
+    let rate = Refill::new(10, 1_000).unwrap();
+    let fuller = CounterState::TokenBucket {
+        full_at: FullAt::from_shortfall(rate, 100, 1_000),
+    };
+    let emptier = CounterState::TokenBucket {
+        full_at: FullAt::from_shortfall(rate, 100, 5_000),
+    };
+    assert_eq!(fuller.merge(emptier), emptier);
+    assert_eq!(emptier.merge(fuller), emptier);
+    let old = CounterState::SlidingWindow {
+        expires_at_ms: 2_000,
+        current: 9,
+        previous: 0,
+    };
+    let new = CounterState::SlidingWindow {
+        expires_at_ms: 3_000,
+        current: 1,
+        previous: 9,
+    };
+    let same_window = CounterState::SlidingWindow {
+        expires_at_ms: 3_000,
+        current: 4,
+        previous: 7,
+    };
+    assert_eq!(old.merge(new), new);
+    assert_eq!(
+        new.merge(same_window),
+        CounterState::SlidingWindow {
+            expires_at_ms: 3_000,
+            current: 4,
+            previous: 9,
+        }
+    );
+}

@@ -162,26 +162,115 @@ pub fn is_whitespace(c: char) -> bool {
     )
 }
 
+/// ASCII bytes that end an unquoted token: divvy's ASCII whitespace and `=`.
+const ASCII_TOKEN_END: [bool; 128] = {
+    let mut table = [false; 128];
+    let mut i = 0;
+    while i < 128 {
+        table[i] = matches!(i as u8, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r' | b'=');
+        i += 1;
+    }
+    table
+};
+
+/// The byte length of the run of non-whitespace, non-`=` characters that
+/// starts `s`. ASCII is decided by table lookup; other characters by
+/// [`is_whitespace`].
+fn unquoted_len(s: &str) -> usize {
+    let bytes = s.as_bytes();
+    let mut i = skip_plain_words(bytes);
+    loop {
+        // Tight ASCII loop; leave it only at a token end or a non-ASCII byte.
+        i += bytes[i..]
+            .iter()
+            .position(|&b| b >= 0x80 || ASCII_TOKEN_END[b as usize])
+            .unwrap_or(bytes.len() - i);
+        match bytes.get(i) {
+            Some(&b) if b >= 0x80 => match s[i..].chars().next() {
+                Some(c) if !is_whitespace(c) => i += c.len_utf8(),
+                _ => return i,
+            },
+            _ => return i,
+        }
+    }
+}
+
+/// Skips whole 8-byte words in which no byte could end a token (none is
+/// ≤ 0x20, `=` or non-ASCII), eight bytes per step; the byte loop decides
+/// the rest exactly.
+fn skip_plain_words(bytes: &[u8]) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut i = 0;
+    while let Some(word) = bytes.get(i..i + 8) {
+        let mut array = [0u8; 8];
+        array.copy_from_slice(word);
+        let w = u64::from_le_bytes(array);
+        let below_0x21 = w.wrapping_sub(ONES * 0x21) & !w & HIGH;
+        let equals = w ^ (ONES * u64::from(b'='));
+        let has_equals = equals.wrapping_sub(ONES) & !equals & HIGH;
+        if (below_0x21 | has_equals | (w & HIGH)) != 0 {
+            break;
+        }
+        i += 8;
+    }
+    i
+}
+
+/// The byte length of the run of whitespace that starts `s`.
+fn whitespace_len(s: &str) -> usize {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b < 0x80 {
+            if !(ASCII_TOKEN_END[b as usize] && b != b'=') {
+                break;
+            }
+            i += 1;
+        } else {
+            match s[i..].chars().next() {
+                Some(c) if is_whitespace(c) => i += c.len_utf8(),
+                _ => break,
+            }
+        }
+    }
+    i
+}
+
+/// Trims divvy's whitespace from both ends (JavaScript's `trim`).
+fn trim_whitespace(s: &str) -> &str {
+    let s = &s[whitespace_len(s)..];
+    if s.as_bytes()
+        .last()
+        .is_some_and(|b| b.is_ascii_alphanumeric())
+    {
+        return s; // the common case: nothing to trim at the end
+    }
+    s.trim_end_matches(is_whitespace)
+}
+
 /// Reads one token starting at byte `pos`: a quoted token runs to the next
 /// `"` (no escapes); any other token runs to the first whitespace or `=`.
 /// Returns the token and the byte position just after it.
 fn read_token(s: &str, pos: usize) -> Result<(&str, usize), ParseError> {
     let rest = &s[pos..];
-    if let Some(quoted) = rest.strip_prefix('"') {
+    if rest.as_bytes().first() == Some(&b'"') {
         let close =
-            memchr::memchr(b'"', quoted.as_bytes()).ok_or(ParseError::UnexpectedEndOfQuoted)?;
-        Ok((&quoted[..close], pos + 1 + close + 1))
+            memchr::memchr(b'"', &rest.as_bytes()[1..]).ok_or(ParseError::UnexpectedEndOfQuoted)?;
+        Ok((&rest[1..1 + close], pos + close + 2))
     } else {
-        let len = rest
-            .char_indices()
-            .find(|&(_, c)| c == '=' || is_whitespace(c))
-            .map_or(rest.len(), |(i, _)| i);
+        let len = unquoted_len(rest);
         Ok((&rest[..len], pos + len))
     }
 }
 
-fn next_char(s: &str, pos: usize) -> Option<char> {
-    s[pos..].chars().next()
+/// The character at byte `pos` (a character boundary), if any.
+fn char_at(s: &str, pos: usize) -> Option<char> {
+    match s.as_bytes().get(pos) {
+        Some(&b) if b < 0x80 => Some(b as char),
+        Some(_) => s[pos..].chars().next(),
+        None => None,
+    }
 }
 
 /// Parses one request line (without its terminator).
@@ -189,7 +278,7 @@ pub fn parse_line(line: &str) -> Result<Command<'_>, ParseError> {
     let (word, after_word) = read_token(line, 0)?;
     let verb =
         Verb::from_word(word).ok_or_else(|| ParseError::UnknownCommand(word.to_uppercase()))?;
-    let pairs = parse_pairs(line[after_word..].trim_matches(is_whitespace))?;
+    let pairs = parse_pairs(trim_whitespace(&line[after_word..]))?;
     Ok(Command { verb, pairs })
 }
 
@@ -199,19 +288,16 @@ fn parse_pairs(s: &str) -> Result<Pairs<'_>, ParseError> {
     let mut pos = 0;
     while pos < s.len() {
         let (key, after_key) = read_token(s, pos)?;
-        match next_char(s, after_key) {
+        match char_at(s, after_key) {
             Some('=') => {}
             Some(c) => return Err(ParseError::ExpectedEquals(c)),
             None => return Err(ParseError::UnexpectedEndOfInput),
         }
         let (value, after_value) = read_token(s, after_key + 1)?;
         pairs.items.push((key, value));
-        match next_char(s, after_value) {
+        match char_at(s, after_value) {
             None => break,
-            Some(c) if is_whitespace(c) => {
-                let rest = &s[after_value..];
-                pos = after_value + (rest.len() - rest.trim_start_matches(is_whitespace).len());
-            }
+            Some(c) if is_whitespace(c) => pos = after_value + whitespace_len(&s[after_value..]),
             Some(c) => return Err(ParseError::ExpectedWhitespace(c)),
         }
     }
@@ -319,5 +405,43 @@ mod tests {
         assert_eq!(parse_line("TAKE bucket=x").unwrap().verb, Verb::Take);
         assert_eq!(parse_line("query bucket=x").unwrap().verb, Verb::Query);
         assert_eq!(parse_line("TOPOLOGY").unwrap().verb, Verb::Topology);
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn reference_unquoted_len(s: &str) -> usize {
+        s.char_indices()
+            .find(|&(_, c)| c == '=' || is_whitespace(c))
+            .map_or(s.len(), |(i, _)| i)
+    }
+
+    proptest! {
+        /// The word-at-a-time scan agrees with the character-by-character definition.
+        #[test]
+        fn fast_token_scan_matches_the_definition(s in "[a-z=\\\\ \t\r\u{b}\u{c}\u{85}\u{a0}\u{3000}\u{feff}\u{1}\"é]{0,40}") {
+            prop_assert_eq!(unquoted_len(&s), reference_unquoted_len(&s));
+            let ws = s.len() - s.trim_start_matches(is_whitespace).len();
+            prop_assert_eq!(whitespace_len(&s), ws);
+        }
+
+        /// Any input parses or fails with a message; it never panics.
+        #[test]
+        fn parse_line_never_panics(s in "\\PC{0,80}") {
+            let _ = parse_line(&s).map(|c| c.pairs.iter().count());
+        }
+
+        /// Pairs written the way the client library writes them read back intact.
+        #[test]
+        fn formatted_pairs_round_trip(pairs in proptest::collection::vec(("[a-zA-Z0-9_ =/.*-]{0,12}", "[a-zA-Z0-9_ =/.*-]{0,12}"), 0..10)) {
+            let borrowed: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            let line = crate::client::format_request("HIT", &borrowed).unwrap();
+            let command = parse_line(&line).unwrap();
+            prop_assert_eq!(command.verb, Verb::Hit);
+            prop_assert_eq!(command.pairs.iter().collect::<Vec<_>>(), borrowed);
+        }
     }
 }

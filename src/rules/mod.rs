@@ -3,6 +3,9 @@
 //! steps, and matching a request against the rules. It knows nothing about
 //! sockets or storage.
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 mod ini_file;
 mod json_file;
 mod pattern;
@@ -27,25 +30,46 @@ pub enum MatchPolicy {
     Canary,
 }
 
-/// The counting algorithm of a rule. Divvy knows only the fixed window.
+/// The counting algorithm of a rule (`algorithm = …` in a rule file). Divvy
+/// knows only the fixed window, the default; docs/configuration.md (Algorithms) shows how each
+/// admits a burst and what `currentCredit` and `nextResetSeconds` mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
+    /// divvy's window: opens at the first hit, admits `creditLimit`, closes
+    /// `resetSeconds` later.
     #[default]
     FixedWindow,
+    /// Holds up to `creditLimit` tokens, refilled continuously at
+    /// `creditLimit` per `resetSeconds`.
+    TokenBucket,
+    /// The previous window's count, weighted by how much of it still lies
+    /// within the last `resetSeconds`, plus the current window's.
+    SlidingWindow,
 }
 
 impl Algorithm {
+    pub const ALL: [Algorithm; 3] = [
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::SlidingWindow,
+    ];
+
     pub fn parse(text: &str) -> Option<Algorithm> {
-        match text {
-            "fixed-window" => Some(Algorithm::FixedWindow),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|a| a.as_str() == text)
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             Algorithm::FixedWindow => "fixed-window",
+            Algorithm::TokenBucket => "token-bucket",
+            Algorithm::SlidingWindow => "sliding-window",
         }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -93,6 +117,9 @@ impl fmt::Display for RuleOrigin {
 pub struct Rule {
     /// The operation's pairs, in the order the file gives them.
     pub operation: Vec<(String, Pattern)>,
+    /// The pairs a request is checked against: `*` pairs left out (they
+    /// match anything), exact values first (cheapest, most selective).
+    checks: Vec<(String, Pattern)>,
     pub quota: Quota,
     pub actor_field: Option<String>,
     pub label: Option<String>,
@@ -113,7 +140,7 @@ pub struct Rule {
 impl Rule {
     /// Does the request match every pair of this rule's operation?
     pub fn matches(&self, request: &Pairs<'_>) -> bool {
-        self.operation
+        self.checks
             .iter()
             .all(|(key, pattern)| pattern.matches(request.get(key)))
     }
@@ -197,7 +224,7 @@ pub enum ConfigError {
     },
     #[error("rule {rule}: matchPolicy must be 'stop' or 'canary', got '{value}'")]
     BadMatchPolicy { rule: String, value: String },
-    #[error("rule {rule}: unknown algorithm '{value}' (expected fixed-window)")]
+    #[error("rule {rule}: unknown algorithm '{value}' (expected fixed-window, token-bucket or sliding-window)")]
     BadAlgorithm { rule: String, value: String },
 }
 
@@ -228,6 +255,7 @@ impl RuleSet {
     }
 
     /// The example configuration of divvy's README.
+    #[allow(clippy::expect_used)] // a constant file, validated by a unit test
     pub fn embedded_default() -> RuleSet {
         let mut set =
             Self::from_ini(EMBEDDED_DEFAULT_INI).expect("the embedded default config is valid");
@@ -359,6 +387,7 @@ fn canonical_operation(operation: &[(String, String)]) -> String {
 
 /// Interns counter identities process-wide, so that a rule keeps its counters
 /// across reloads as long as its operation, limits and algorithm are unchanged.
+#[allow(clippy::expect_used)] // 2^32 distinct rules cannot be loaded in one process
 fn intern_counter_identity(identity: String) -> u32 {
     use parking_lot::Mutex;
     use std::collections::HashMap;
@@ -473,15 +502,24 @@ fn validate_rule(raw: RawRule, earlier: &[Rule]) -> Result<Rule, ConfigError> {
         algorithm.as_str()
     ));
 
+    let operation: Vec<(String, Pattern)> = raw
+        .operation
+        .into_iter()
+        .map(|(k, v)| {
+            let pattern = Pattern::new(&v);
+            (k, pattern)
+        })
+        .collect();
+    let mut checks: Vec<(String, Pattern)> = operation
+        .iter()
+        .filter(|(_, pattern)| *pattern != Pattern::Any)
+        .cloned()
+        .collect();
+    checks.sort_by_key(|(_, pattern)| !matches!(pattern, Pattern::Exact(_)));
+
     Ok(Rule {
-        operation: raw
-            .operation
-            .into_iter()
-            .map(|(k, v)| {
-                let pattern = Pattern::new(&v);
-                (k, pattern)
-            })
-            .collect(),
+        operation,
+        checks,
         quota,
         actor_field: raw.actor_field,
         label: raw.label,

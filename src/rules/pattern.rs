@@ -1,25 +1,45 @@
 //! One value of a rule's operation: `*` (anything, even absent), a glob with
 //! `*` wildcards anchored at the start of the value only, or an exact string.
 
+use memchr::memmem::Finder;
+
 /// How a rule's value matches a request's value (SPEC §3).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Pattern {
     /// `*`: matches any value, including a missing key.
     Any,
-    /// A value containing `*` elsewhere: the literal pieces between the stars.
-    /// The first piece must start the value; the rest must follow in order.
-    Glob { pieces: Vec<String>, source: String },
+    /// A value containing `*` elsewhere: the literal text before the first
+    /// star must start the value; each later non-empty piece must follow, in
+    /// order (searched with a precomputed finder).
+    Glob {
+        prefix: String,
+        pieces: Vec<Finder<'static>>,
+        source: String,
+    },
     /// Any other value: equality, case-sensitive.
     Exact(String),
 }
+
+impl PartialEq for Pattern {
+    fn eq(&self, other: &Pattern) -> bool {
+        self.source() == other.source()
+    }
+}
+
+impl Eq for Pattern {}
 
 impl Pattern {
     pub fn new(value: &str) -> Pattern {
         if value == "*" {
             Pattern::Any
-        } else if value.contains('*') {
+        } else if let Some((prefix, rest)) = value.split_once('*') {
             Pattern::Glob {
-                pieces: value.split('*').map(str::to_owned).collect(),
+                prefix: prefix.to_owned(),
+                pieces: rest
+                    .split('*')
+                    .filter(|piece| !piece.is_empty())
+                    .map(|piece| Finder::new(piece).into_owned())
+                    .collect(),
                 source: value.to_owned(),
             }
         } else {
@@ -42,23 +62,23 @@ impl Pattern {
             (Pattern::Any, _) => true,
             (_, None) => false,
             (Pattern::Exact(expected), Some(value)) => expected == value,
-            (Pattern::Glob { pieces, .. }, Some(value)) => glob_matches(pieces, value),
+            (Pattern::Glob { prefix, pieces, .. }, Some(value)) => {
+                glob_matches(prefix, pieces, value)
+            }
         }
     }
 }
 
 /// Start-anchored glob: leftmost matching of each piece in turn is optimal
 /// because nothing anchors the end.
-fn glob_matches(pieces: &[String], value: &str) -> bool {
-    let Some((first, rest)) = pieces.split_first() else {
-        return true;
-    };
-    let Some(mut remaining) = value.strip_prefix(first.as_str()) else {
+fn glob_matches(prefix: &str, pieces: &[Finder<'static>], value: &str) -> bool {
+    let Some(remaining) = value.as_bytes().strip_prefix(prefix.as_bytes()) else {
         return false;
     };
-    for piece in rest {
-        match remaining.find(piece.as_str()) {
-            Some(at) => remaining = &remaining[at + piece.len()..],
+    let mut remaining = remaining;
+    for piece in pieces {
+        match piece.find(remaining) {
+            Some(at) => remaining = &remaining[at + piece.needle().len()..],
             None => return false,
         }
     }

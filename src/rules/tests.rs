@@ -228,7 +228,7 @@ fn validation_failures_name_the_rule() {
         load_err(
             "[a=1]\ncreditLimit=5\nresetSeconds=1\nalgorithm=magic\n[default]\ncreditLimit=0\n"
         ),
-        "rule [a=1] (line 1): unknown algorithm 'magic' (expected fixed-window)"
+        "rule [a=1] (line 1): unknown algorithm 'magic' (expected fixed-window, token-bucket or sliding-window)"
     );
     assert_eq!(
         load_err("stray = 1\n[default]\ncreditLimit=0\n"),
@@ -316,4 +316,100 @@ fn parse_int_prefix_is_javascripts_parse_int() {
     assert_eq!(parse_int_prefix("+5"), Some(5));
     assert_eq!(parse_int_prefix("abc"), None);
     assert_eq!(parse_int_prefix(""), None);
+}
+
+#[test]
+fn each_rule_may_choose_its_algorithm() {
+    let ini = RuleSet::from_ini(
+        "[a=1]\ncreditLimit=5\nresetSeconds=1\nalgorithm = token-bucket\n\
+         [a=2]\ncreditLimit=5\nresetSeconds=1\nalgorithm = sliding-window  ; smoother\n\
+         [a=3]\ncreditLimit=5\nresetSeconds=1\nalgorithm = fixed-window\n\
+         [default]\ncreditLimit=5\nresetSeconds=1\n",
+    )
+    .unwrap();
+    let algorithms: Vec<Algorithm> = ini.rules().iter().map(|r| r.algorithm).collect();
+    assert_eq!(
+        algorithms,
+        [
+            Algorithm::TokenBucket,
+            Algorithm::SlidingWindow,
+            Algorithm::FixedWindow,
+            Algorithm::FixedWindow
+        ]
+    );
+    let json = RuleSet::from_json(
+        r#"{"overrides":[{"operation":{"a":"1"},"creditLimit":5,"resetSeconds":1,"algorithm":"sliding-window"}],
+            "default":{"creditLimit":5,"resetSeconds":1,"algorithm":"token-bucket"}}"#,
+    )
+    .unwrap();
+    assert_eq!(json.rules()[0].algorithm, Algorithm::SlidingWindow);
+    assert_eq!(json.rules()[1].algorithm, Algorithm::TokenBucket);
+    let err = RuleSet::from_json(
+        r#"{"overrides":[],"default":{"creditLimit":5,"resetSeconds":1,"algorithm":"leaky"}}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        err,
+        "rule \"default\": unknown algorithm 'leaky' (expected fixed-window, token-bucket or sliding-window)"
+    );
+    // The same operation and limits under another algorithm count separately.
+    let a = RuleSet::from_ini("[default]\ncreditLimit=5\nresetSeconds=1\n").unwrap();
+    let b = RuleSet::from_ini("[default]\ncreditLimit=5\nresetSeconds=1\nalgorithm=token-bucket\n")
+        .unwrap();
+    assert_ne!(a.rules()[0].counter_identity, b.rules()[0].counter_identity);
+    assert_ne!(a.fingerprint(), b.fingerprint());
+}
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ini_line() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "\\[[a-z=*/. ]{0,20}\\]",
+            "(creditLimit|resetSeconds|label|matchPolicy|actorField|algorithm|comment) ?= ?[-a-z0-9'\"#; ]{0,12}",
+            "[#;].{0,10}",
+            ".{0,20}",
+        ]
+    }
+
+    proptest! {
+        /// Any text loads or is refused with an error; a loaded set always ends
+        /// in the default rule and every rule's quota is valid.
+        #[test]
+        fn ini_loading_never_panics(lines in proptest::collection::vec(ini_line(), 0..12)) {
+            if let Ok(set) = RuleSet::from_ini(&lines.join("\n")) {
+                prop_assert!(set.rules().last().unwrap().operation.is_empty());
+                for rule in set.rules() {
+                    if let Quota::Limited { credit_limit, reset_seconds } = rule.quota {
+                        prop_assert!(credit_limit >= 1 && reset_seconds >= 1);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn json_loading_never_panics(text in "[{}\\[\\]\":,a-zA-Z0-9 -]{0,120}") {
+            let _ = RuleSet::from_json(&text);
+        }
+
+        /// Generated valid rule files load identically from INI and JSON.
+        #[test]
+        fn ini_and_json_agree(rules in proptest::collection::vec(("[a-z]{1,4}", "[a-z0-9/]{1,6}", 0u64..5, 0u64..5), 0..6)) {
+            let mut ini = String::new();
+            let mut overrides = Vec::new();
+            for (key, value, limit, reset) in &rules {
+                ini.push_str(&format!("[{key}={value}]\ncreditLimit={limit}\nresetSeconds={reset}\n"));
+                overrides.push(format!(r#"{{"operation":{{"{key}":"{value}"}},"creditLimit":{limit},"resetSeconds":{reset}}}"#));
+            }
+            ini.push_str("[default]\ncreditLimit=0\n");
+            let json = format!(r#"{{"overrides":[{}],"default":{{"creditLimit":0}}}}"#, overrides.join(","));
+            match (RuleSet::from_ini(&ini), RuleSet::from_json(&json)) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a.fingerprint(), b.fingerprint()),
+                (Err(_), Err(_)) => {}
+                (a, b) => prop_assert!(false, "INI {:?} vs JSON {:?}", a.map(|_| ()), b.map(|_| ())),
+            }
+        }
+    }
 }

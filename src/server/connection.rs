@@ -4,6 +4,7 @@
 //! queue behind each other; at most `pipeline_max` requests are in flight
 //! before the connection stops reading (backpressure, not buffering).
 
+use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
 use crate::engine::{Engine, Outcome, Reply};
 use crate::protocol::split_line;
@@ -11,12 +12,14 @@ use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesOrdered, StreamExt};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 /// Bytes asked of the kernel per read.
 const READ_CHUNK_BYTES: usize = 16 * 1024;
+/// Reads of at least half a chunk a connection may do before it yields its
+/// thread to the others (about a thousand requests each).
+const LARGE_READS_PER_TURN: u32 = 2;
 
 /// Why a connection ended, for tests and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,41 +37,65 @@ pub enum Ended {
 }
 
 struct Connection {
-    stream: TcpStream,
+    socket: ClientSocket,
     engine: Arc<Engine>,
     limits: Limits,
-    input: Vec<u8>,
-    /// Start of unconsumed bytes in `input`.
-    consumed: usize,
+    input: InputBuffer,
     output: Vec<u8>,
     pending: FuturesOrdered<BoxFuture<'static, Reply>>,
     /// An `ERR` was produced: stop executing, flush, close.
     closing: bool,
     /// No more input will be read (shutdown or EOF); finish what was read.
     input_done: bool,
+    /// When the unexecuted bytes in `input` arrived.
+    arrival: crate::engine::Arrival,
+    /// Since when an incomplete line has been waiting for its end.
+    partial_line_since: Option<tokio::time::Instant>,
+    /// Large reads since this connection last yielded its thread.
+    large_reads_in_turn: u32,
 }
 
+/// Counts a connection open for as long as it lives, even if its task panics.
+struct OpenConnectionGauge(Arc<Engine>);
+
+impl Drop for OpenConnectionGauge {
+    fn drop(&mut self) {
+        self.0.metrics.connection_closed();
+    }
+}
+
+/// Serves one client connection until it ends; returns why it ended.
 pub async fn serve(
     stream: TcpStream,
     engine: Arc<Engine>,
     limits: Limits,
     shutdown: watch::Receiver<bool>,
 ) -> Ended {
-    let _ = stream.set_nodelay(true);
     engine.metrics.connection_opened();
+    let _gauge = OpenConnectionGauge(Arc::clone(&engine));
+    let Ok(socket) = ClientSocket::new(stream) else {
+        return Ended::Io;
+    };
     let mut connection = Connection {
-        stream,
+        socket,
         engine: Arc::clone(&engine),
         limits,
-        input: Vec::with_capacity(READ_CHUNK_BYTES),
-        consumed: 0,
+        input: InputBuffer::new(
+            READ_CHUNK_BYTES,
+            limits.line_bytes_max.saturating_add(READ_CHUNK_BYTES),
+        ),
         output: Vec::with_capacity(READ_CHUNK_BYTES),
         pending: FuturesOrdered::new(),
         closing: false,
         input_done: false,
+        arrival: engine.arrival(),
+        partial_line_since: None,
+        large_reads_in_turn: 0,
     };
     let ended = connection.run(shutdown).await;
-    engine.metrics.connection_closed();
+    if ended == Ended::AfterError {
+        connection.socket.linger_close().await;
+    }
     ended
 }
 
@@ -82,6 +109,12 @@ impl Connection {
             self.execute_buffered_lines();
             if !self.output.is_empty() && self.flush().await.is_err() {
                 return Ended::Io;
+            }
+            if self.large_reads_in_turn >= LARGE_READS_PER_TURN {
+                // A client streaming requests as fast as it can must not hold the
+                // thread: let every other connection of this thread have a turn.
+                self.large_reads_in_turn = 0;
+                tokio::task::yield_now().await;
             }
             if self.closing && self.pending.is_empty() {
                 return Ended::AfterError;
@@ -98,6 +131,16 @@ impl Connection {
                     ms => tokio::time::sleep(Duration::from_millis(ms)).await,
                 }
             };
+            let partial_line_deadline = self
+                .partial_line_since
+                .filter(|_| self.limits.line_timeout_ms > 0)
+                .map(|since| since + Duration::from_millis(self.limits.line_timeout_ms));
+            let line_timeout = async {
+                match partial_line_deadline {
+                    Some(deadline) => tokio::time::sleep_until(deadline).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 Some(reply) = self.pending.next(), if !self.pending.is_empty() => {
@@ -107,10 +150,15 @@ impl Connection {
                         self.push_reply(reply);
                     }
                 }
-                read = read_more(&mut self.stream, &mut self.input, &mut self.consumed), if can_read => {
+                read = self.socket.read(&mut self.input), if can_read => {
                     match read {
                         Ok(0) => self.input_done = true,
-                        Ok(_) => {}
+                        Ok(n) => {
+                            self.arrival = self.engine.arrival();
+                            if n >= READ_CHUNK_BYTES / 2 {
+                                self.large_reads_in_turn += 1;
+                            }
+                        }
                         Err(_) => return Ended::Io,
                     }
                 }
@@ -118,7 +166,12 @@ impl Connection {
                     self.input_done = true;
                     ended_by = Ended::Shutdown;
                 }
-                _ = idle, if can_read && self.pending.is_empty() => {
+                _ = line_timeout, if can_read => {
+                    // A line trickling in slower than this holds a slot for nothing (slowloris).
+                    self.engine.metrics.error(crate::protocol::ErrorCode::Unknown);
+                    self.queue_reply(Reply::error("line timeout"));
+                }
+                _ = idle, if can_read && self.pending.is_empty() && self.partial_line_since.is_none() => {
                     return Ended::Idle;
                 }
             }
@@ -129,7 +182,7 @@ impl Connection {
     /// or an error ended the conversation.
     fn execute_buffered_lines(&mut self) {
         while !self.closing && self.pending.len() < self.limits.pipeline_max {
-            let unread = &self.input[self.consumed..];
+            let unread = self.input.unread();
             let Some((line, used)) = split_line(unread) else {
                 if unread.len() > self.limits.line_bytes_max {
                     self.fail_line_too_long();
@@ -140,16 +193,17 @@ impl Connection {
                 self.fail_line_too_long();
                 break;
             }
-            let outcome = self.engine.execute(line);
-            self.consumed += used;
+            let outcome = self.engine.execute(line, self.arrival);
+            self.input.consume(used);
             match outcome {
                 Outcome::Now(reply) => self.queue_reply(reply),
                 Outcome::Later(future) => self.pending.push_back(future),
             }
         }
-        if self.consumed == self.input.len() {
-            self.input.clear();
-            self.consumed = 0;
+        if self.input.unread().is_empty() {
+            self.partial_line_since = None;
+        } else if self.partial_line_since.is_none() {
+            self.partial_line_since = Some(tokio::time::Instant::now());
         }
     }
 
@@ -184,22 +238,8 @@ impl Connection {
     }
 
     async fn flush(&mut self) -> std::io::Result<()> {
-        self.stream.write_all(&self.output).await?;
+        self.socket.write_all(&self.output).await?;
         self.output.clear();
         Ok(())
     }
-}
-
-/// Reads more bytes into `input`, compacting consumed bytes first.
-async fn read_more(
-    stream: &mut TcpStream,
-    input: &mut Vec<u8>,
-    consumed: &mut usize,
-) -> std::io::Result<usize> {
-    if *consumed > 0 {
-        input.drain(..*consumed);
-        *consumed = 0;
-    }
-    input.reserve(READ_CHUNK_BYTES);
-    stream.read_buf(input).await
 }

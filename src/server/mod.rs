@@ -4,7 +4,11 @@
 //! Also owns the connection limit and graceful shutdown (stop accepting,
 //! answer what was read, close, bounded by `drain_timeout_ms`).
 
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod connection;
+pub mod socket;
 
 use crate::engine::Engine;
 use socket2::{Domain, Protocol, Socket, Type};
@@ -12,7 +16,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
@@ -29,6 +32,9 @@ pub struct Limits {
     pub pipeline_max: usize,
     /// Close a connection that sent nothing for this long (0: never).
     pub idle_timeout_ms: u64,
+    /// A line must be complete this long after its first byte arrived, or the
+    /// connection gets `ERR unknown "line timeout"` (0: no limit).
+    pub line_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -38,6 +44,7 @@ impl Default for Limits {
             connections_max: 10_000,
             pipeline_max: 1024,
             idle_timeout_ms: 0,
+            line_timeout_ms: 10_000,
         }
     }
 }
@@ -73,6 +80,19 @@ pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener
     socket.bind(&addr.into())?;
     socket.listen(1024)?;
     Ok(socket.into())
+}
+
+/// `SO_REUSEPORT` would let a second server on the same port silently share
+/// its traffic; a plain bind first makes "address in use" an error again.
+pub fn refuse_if_in_use(addr: SocketAddr) -> std::io::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    let probe = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    probe.set_reuse_address(true)?;
+    probe.bind(&addr.into()).map_err(|error| {
+        std::io::Error::new(error.kind(), format!("{addr} is already in use: {error}"))
+    })
 }
 
 /// A server whose listeners are bound (so its address is known, port 0
@@ -121,6 +141,7 @@ impl RunningServer {
 impl Server {
     pub fn bind(config: ServerConfig, engine: Arc<Engine>) -> std::io::Result<Server> {
         let threads = config.threads.max(1);
+        refuse_if_in_use(config.listen)?;
         let first = bind_reuseport(config.listen)?;
         let local_addr = first.local_addr()?;
         let mut listeners = vec![first];
@@ -215,15 +236,17 @@ impl Worker {
         loop {
             tokio::select! {
                 accepted = listener.accept() => {
-                    let Ok((mut stream, _peer)) = accepted else { continue };
+                    let Ok((stream, _peer)) = accepted else { continue };
                     let open = self.open_connections.fetch_add(1, Ordering::AcqRel) + 1;
                     let slot = ConnectionSlot(Arc::clone(&self.open_connections));
                     if open > limits.connections_max {
                         self.engine.metrics.connection_refused();
                         connections.spawn_local(async move {
                             let _slot = slot;
-                            let _ = stream.write_all(b"ERR unknown \"too many connections\"\n").await;
-                            let _ = stream.shutdown().await;
+                            if let Ok(socket) = socket::ClientSocket::new(stream) {
+                                let _ = socket.write_all(b"ERR unknown \"too many connections\"\n").await;
+                                socket.linger_close().await;
+                            }
                         });
                         continue;
                     }
@@ -234,7 +257,14 @@ impl Worker {
                         connection::serve(stream, engine, limits, shutdown).await;
                     });
                 }
-                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                Some(finished) = connections.join_next(), if !connections.is_empty() => {
+                    if let Err(error) = finished {
+                        if error.is_panic() {
+                            // The panic ended only its own connection; say so loudly.
+                            tracing::error!("a connection task panicked and was closed; the server keeps serving");
+                        }
+                    }
+                }
                 _ = shutdown.changed() => break,
             }
         }

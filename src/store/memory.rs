@@ -7,6 +7,11 @@
 //! steps (one stripe at a time), and a cap on live keys bounds memory: when it
 //! is reached and no expired entry can be reclaimed in the key's stripe, the
 //! update is refused with [`StoreFull`] and nothing is stored.
+//!
+//! The store is generic over what it keeps ([`StoredState`]: anything that
+//! knows when it expires): rule counters ([`MemoryStore`], the
+//! [`CounterState`] store) and droplet's buckets share the same stripes,
+//! sweeper and cap.
 
 use crate::limiter::CounterState;
 use crossbeam_utils::CachePadded;
@@ -28,14 +33,34 @@ pub struct StoreFull {
     pub live_keys_max: usize,
 }
 
-struct Entry {
-    key: Box<[u8]>,
-    state: CounterState,
+/// What a [`StripedStore`] keeps per key: a small value, copied in and out
+/// under the stripe lock, that knows when it stops being worth anything.
+pub trait StoredState: Copy + Send + 'static {
+    /// From this instant on the state reads as absent and may be reclaimed.
+    fn expires_at_ms(&self) -> u64;
 }
 
-#[derive(Default)]
-struct Stripe {
-    table: HashTable<Entry>,
+impl StoredState for CounterState {
+    fn expires_at_ms(&self) -> u64 {
+        CounterState::expires_at_ms(self)
+    }
+}
+
+struct Entry<S> {
+    key: Box<[u8]>,
+    state: S,
+}
+
+struct Stripe<S> {
+    table: HashTable<Entry<S>>,
+}
+
+impl<S> Default for Stripe<S> {
+    fn default() -> Self {
+        Stripe {
+            table: HashTable::new(),
+        }
+    }
 }
 
 /// Sizing and limits of a [`MemoryStore`].
@@ -63,8 +88,11 @@ pub struct SweepStats {
     pub reclaimed: AtomicU64,
 }
 
-pub struct MemoryStore {
-    stripes: Box<[CachePadded<Mutex<Stripe>>]>,
+/// The rule counters' store.
+pub type MemoryStore = StripedStore<CounterState>;
+
+pub struct StripedStore<S> {
+    stripes: Box<[CachePadded<Mutex<Stripe<S>>>]>,
     stripe_mask: usize,
     hasher: ahash::RandomState,
     live_keys: AtomicUsize,
@@ -72,10 +100,10 @@ pub struct MemoryStore {
     pub sweep_stats: SweepStats,
 }
 
-impl MemoryStore {
+impl<S: StoredState> StripedStore<S> {
     pub fn new(config: MemoryStoreConfig) -> Self {
         let stripes = config.stripes.max(1).next_power_of_two();
-        MemoryStore {
+        StripedStore {
             stripes: (0..stripes)
                 .map(|_| CachePadded::new(Mutex::new(Stripe::default())))
                 .collect(),
@@ -105,12 +133,12 @@ impl MemoryStore {
         self.stripes.len()
     }
 
-    fn stripe_of(&self, hash: u64) -> &Mutex<Stripe> {
+    fn stripe_of(&self, hash: u64) -> &Mutex<Stripe<S>> {
         &self.stripes[(hash >> STRIPE_HASH_SHIFT) as usize & self.stripe_mask]
     }
 
     /// Reads a key's state (`None` when absent or expired).
-    pub fn get(&self, key: &[u8], now_ms: u64) -> Option<CounterState> {
+    pub fn get(&self, key: &[u8], now_ms: u64) -> Option<S> {
         let hash = self.hasher.hash_one(key);
         let stripe = self.stripe_of(hash).lock();
         stripe
@@ -127,7 +155,7 @@ impl MemoryStore {
         &self,
         key: &[u8],
         now_ms: u64,
-        step: impl FnOnce(Option<CounterState>) -> (R, Option<CounterState>),
+        step: impl FnOnce(Option<S>) -> (R, Option<S>),
     ) -> Result<R, StoreFull> {
         let hash = self.hasher.hash_one(key);
         let mut stripe = self.stripe_of(hash).lock();
@@ -164,17 +192,6 @@ impl MemoryStore {
         Ok(result)
     }
 
-    /// Merges a state into a key (replication): `merge` keeps the later window.
-    pub fn merge(&self, key: &[u8], state: CounterState, now_ms: u64) -> Result<(), StoreFull> {
-        self.update(key, now_ms, |current| {
-            let merged = match current {
-                Some(current) => current.merge(state),
-                None => state,
-            };
-            ((), (merged.expires_at_ms() > now_ms).then_some(merged))
-        })
-    }
-
     fn reserve_live_key(&self) -> bool {
         self.live_keys
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -183,7 +200,7 @@ impl MemoryStore {
             .is_ok()
     }
 
-    fn sweep_locked(&self, stripe: &mut Stripe, now_ms: u64) -> usize {
+    fn sweep_locked(&self, stripe: &mut Stripe<S>, now_ms: u64) -> usize {
         let before = stripe.table.len();
         stripe.table.retain(|e| e.state.expires_at_ms() > now_ms);
         let reclaimed = before - stripe.table.len();
@@ -226,7 +243,7 @@ impl MemoryStore {
 
     /// Visits every live counter (for snapshots and persistence), one stripe
     /// at a time.
-    pub fn for_each_live(&self, now_ms: u64, mut visit: impl FnMut(&[u8], CounterState)) {
+    pub fn for_each_live(&self, now_ms: u64, mut visit: impl FnMut(&[u8], S)) {
         for stripe in self.stripes.iter() {
             let stripe = stripe.lock();
             for entry in stripe.table.iter() {
@@ -237,6 +254,40 @@ impl MemoryStore {
         }
     }
 
+    /// Visits the live counters of whole stripes starting at `first`, until at
+    /// least `entries_budget` counters were visited or every stripe was visited
+    /// once (bounded work per call, for periodic persistence). Each stripe is
+    /// locked only while it is read, so `visit` must be short: copy, don't
+    /// format. Returns the stripe to start from next time and how many stripes
+    /// were visited.
+    pub fn visit_live_step(
+        &self,
+        first: usize,
+        entries_budget: usize,
+        now_ms: u64,
+        mut visit: impl FnMut(&[u8], S),
+    ) -> (usize, usize) {
+        let mut index = first & self.stripe_mask;
+        let mut visited_entries = 0;
+        let mut visited_stripes = 0;
+        while visited_stripes < self.stripes.len() {
+            let stripe = self.stripes[index].lock();
+            for entry in stripe.table.iter() {
+                if entry.state.expires_at_ms() > now_ms {
+                    visit(&entry.key, entry.state);
+                    visited_entries += 1;
+                }
+            }
+            drop(stripe);
+            index = (index + 1) & self.stripe_mask;
+            visited_stripes += 1;
+            if visited_entries >= entries_budget {
+                break;
+            }
+        }
+        (index, visited_stripes)
+    }
+
     /// Starts a thread that sweeps `entries_per_tick` entries every `tick`,
     /// until the store is dropped.
     pub fn spawn_sweeper(
@@ -244,8 +295,8 @@ impl MemoryStore {
         clock: Arc<dyn crate::clock::Clock>,
         tick: Duration,
         entries_per_tick: usize,
-    ) -> std::thread::JoinHandle<()> {
-        let store: Weak<MemoryStore> = Arc::downgrade(self);
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let store: Weak<StripedStore<S>> = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("tollgate-sweeper".into())
             .spawn(move || {
@@ -256,7 +307,19 @@ impl MemoryStore {
                     next = store.sweep_step(next, entries_per_tick, clock.now_ms());
                 }
             })
-            .expect("spawning the sweeper thread")
+    }
+}
+
+impl StripedStore<CounterState> {
+    /// Merges a state into a key (replication): `merge` keeps the later window.
+    pub fn merge(&self, key: &[u8], state: CounterState, now_ms: u64) -> Result<(), StoreFull> {
+        self.update(key, now_ms, |current| {
+            let merged = match current {
+                Some(current) => current.merge(state),
+                None => state,
+            };
+            ((), (merged.expires_at_ms() > now_ms).then_some(merged))
+        })
     }
 }
 
@@ -300,6 +363,42 @@ mod tests {
         // Once a and b expire, c fits.
         assert_eq!(hit(&store, b"c", 1000), Ok(true));
         assert_eq!(store.live_keys(), 1);
+    }
+
+    #[test]
+    fn visit_live_steps_cover_every_live_counter_once_per_cycle() {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            stripes: 8,
+            live_keys_max: 1000,
+        });
+        for i in 0..100u32 {
+            hit(&store, &i.to_le_bytes(), 0).unwrap();
+        }
+        store
+            .merge(
+                b"expired",
+                CounterState::Window {
+                    end_ms: 400,
+                    used: 1,
+                },
+                0,
+            )
+            .unwrap();
+        let mut seen = Vec::new();
+        let (mut next, mut stripes) = (0, 0);
+        while stripes < store.stripe_count() {
+            let (after, visited) =
+                store.visit_live_step(next, 10, 500, |key, _| seen.push(key.to_vec()));
+            assert!(visited >= 1);
+            next = after;
+            stripes += visited;
+        }
+        assert_eq!(stripes, store.stripe_count(), "whole stripes, each once");
+        assert_eq!(next, 0, "a full cycle ends where it started");
+        seen.sort();
+        let mut expected: Vec<Vec<u8>> = (0..100u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        expected.sort();
+        assert_eq!(seen, expected, "every live counter once, nothing expired");
     }
 
     #[test]

@@ -3,15 +3,21 @@
 //! layout), or a cluster's replicated shards. A backend answers synchronously
 //! when it can and with a future when it must wait (network).
 
-pub mod memory;
+// Serving code: input never panics the server (see docs/operations.md).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-use crate::limiter::{fixed_window_hit, Decision, WindowQuota};
-use crate::rules::Rule;
+pub mod memory;
+pub mod redis;
+
+use crate::limiter::{
+    fixed_window_hit, sliding_window_hit, token_bucket_hit, CounterState, Decision, WindowQuota,
+};
+use crate::rules::{Algorithm, Rule};
 use futures_util::future::BoxFuture;
 use smallvec::SmallVec;
 use std::sync::Arc;
 
-pub use memory::{MemoryStore, MemoryStoreConfig, StoreFull};
+pub use memory::{MemoryStore, MemoryStoreConfig, StoreFull, StoredState, StripedStore};
 
 /// One rule's counter, asked about by one request.
 #[derive(Debug, Clone, Copy)]
@@ -54,6 +60,16 @@ pub trait Backend: Send + Sync + 'static {
 
     /// A short name for logs and metrics ("memory", "redis", "cluster").
     fn name(&self) -> &'static str;
+
+    /// Can this backend count every rule of `rules`? To be checked before a
+    /// rule set is served, at start and on reload (the redis backend counts
+    /// only fixed windows). The memory backend counts them all.
+    fn check_rules(
+        &self,
+        _rules: &crate::rules::RuleSet,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(())
+    }
 }
 
 /// The in-memory backend: counters in a [`MemoryStore`], decided inline.
@@ -68,6 +84,20 @@ pub fn memory_key(buf: &mut Vec<u8>, op: &CounterOp<'_>) {
     buf.extend_from_slice(op.actor.as_bytes());
 }
 
+/// One hit of a rule's algorithm on its counter (pure; see [`crate::limiter`]).
+pub fn algorithm_hit(
+    algorithm: Algorithm,
+    state: Option<CounterState>,
+    quota: WindowQuota,
+    now_ms: u64,
+) -> (Decision, Option<CounterState>) {
+    match algorithm {
+        Algorithm::FixedWindow => fixed_window_hit(state, quota, now_ms),
+        Algorithm::TokenBucket => token_bucket_hit(state, quota, now_ms),
+        Algorithm::SlidingWindow => sliding_window_hit(state, quota, now_ms),
+    }
+}
+
 impl MemoryBackend {
     pub fn decide_one(
         &self,
@@ -78,10 +108,10 @@ impl MemoryBackend {
         memory_key(key_buf, op);
         if op.peek {
             let state = self.store.get(key_buf, now_ms);
-            return Ok(fixed_window_hit(state, op.quota, now_ms).0);
+            return Ok(algorithm_hit(op.rule.algorithm, state, op.quota, now_ms).0);
         }
         Ok(self.store.update(key_buf, now_ms, |state| {
-            fixed_window_hit(state, op.quota, now_ms)
+            algorithm_hit(op.rule.algorithm, state, op.quota, now_ms)
         })?)
     }
 }

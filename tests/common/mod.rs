@@ -3,6 +3,8 @@
 //! manual clock when a test must control time.
 #![allow(dead_code)]
 
+pub mod redis;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -49,7 +51,10 @@ impl Default for TestOptions {
 
 impl TestServer {
     pub fn start_ini(ini: &str) -> TestServer {
-        Self::start(RuleSet::from_ini(ini).expect("test rules are valid"), TestOptions::default())
+        Self::start(
+            RuleSet::from_ini(ini).expect("test rules are valid"),
+            TestOptions::default(),
+        )
     }
 
     pub fn start_default() -> TestServer {
@@ -60,12 +65,20 @@ impl TestServer {
         let store = Arc::new(MemoryStore::new(options.store));
         let engine = Arc::new(Engine::new(
             rules,
-            Arc::new(MemoryBackend { store: Arc::clone(&store) }),
+            Arc::new(MemoryBackend {
+                store: Arc::clone(&store),
+            }),
             options.clock,
             Metrics::new(),
             options.policy,
         ));
-        Self::start_engine(engine, store, options.threads, options.limits, options.drain_timeout_ms)
+        Self::start_engine(
+            engine,
+            store,
+            options.threads,
+            options.limits,
+            options.drain_timeout_ms,
+        )
     }
 
     pub fn start_engine(
@@ -129,7 +142,9 @@ pub fn converse(addr: SocketAddr, bytes: &[u8]) -> String {
     stream.write_all(bytes).unwrap();
     stream.shutdown(std::net::Shutdown::Write).unwrap();
     let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).expect("read until the server closes");
+    stream
+        .read_to_end(&mut answer)
+        .expect("read until the server closes");
     String::from_utf8(answer).expect("answers are UTF-8")
 }
 
@@ -149,7 +164,10 @@ pub fn read_line(stream: &mut TcpStream) -> String {
             Ok(0) => break,
             Ok(_) if byte[0] == b'\n' => break,
             Ok(_) => line.push(byte[0]),
-            Err(e) => panic!("reading a line: {e} (got {:?} so far)", String::from_utf8_lossy(&line)),
+            Err(e) => panic!(
+                "reading a line: {e} (got {:?} so far)",
+                String::from_utf8_lossy(&line)
+            ),
         }
     }
     String::from_utf8(line).unwrap()

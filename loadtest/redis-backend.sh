@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# bench-redis-backend.sh: Tollgate on the redis backend (clients speak divvy's protocol to Tollgate,
+# which runs divvy's script in Redis, multiplexed) against the load generator running divvy's script
+# directly on the same Redis (resp-script: one EVALSHA per hit, what divvy itself does per hit).
+# Runs alternate (tollgate, direct, tollgate, ...) so that drifts of the machine hit both alike.
+#
+# Both do the same Redis work per hit: EVALSHA on `divvy:ip=* method=GET path=/pantry/cookies/*:<ip>:3:3600`
+# (the embedded default rules' cookie rule; the load generator's default template and key).
+# Besides throughput and latency, each run reports the CPU time that redis-server and Tollgate spent
+# per answered request (from /proc/<pid>/stat), which depends much less on other load on the machine.
+#
+# Environment (all optional):
+#   DURATION=10  WARMUP=0  ROUNDS=3  THREADS=1 (load generator)  CONNECTIONS=64  ACTORS=100000
+#   PIPELINES="1 16"  TOLLGATE_THREADS=2
+#   TOLLGATE_BIN (default target/release/tollgate)  LOADTEST_BIN (required: the tollgate-loadtest binary)
+#   OUT=<dir> (default: a new /tmp/tollgate-redis-bench.* dir)
+set -euo pipefail
+
+DURATION=${DURATION:-10}
+WARMUP=${WARMUP:-0}
+ROUNDS=${ROUNDS:-3}
+THREADS=${THREADS:-1}
+CONNECTIONS=${CONNECTIONS:-64}
+ACTORS=${ACTORS:-100000}
+PIPELINES=${PIPELINES:-1 16}
+TOLLGATE_THREADS=${TOLLGATE_THREADS:-2}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TOLLGATE=${TOLLGATE_BIN:-$ROOT/target/release/tollgate}
+LOADTEST=${LOADTEST_BIN:?set LOADTEST_BIN to the tollgate-loadtest binary}
+OUT=${OUT:-$(mktemp -d /tmp/tollgate-redis-bench.XXXXXX)}
+mkdir -p "$OUT"
+for b in "$TOLLGATE" "$LOADTEST"; do
+    [[ -x $b ]] || { echo "bench-redis-backend.sh: $b is missing" >&2; exit 1; }
+done
+
+PIDS=()
+cleanup() {
+    local p
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+
+REDIS_PORT=$(free_port)
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no >"$OUT/redis.log" 2>&1 &
+PIDS+=($!)
+REDIS_PID=$!
+for _ in $(seq 1 100); do
+    redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
+    sleep 0.1
+done
+
+TOLLGATE_PORT=$(free_port)
+"$TOLLGATE" serve --listen "127.0.0.1:$TOLLGATE_PORT" --threads "$TOLLGATE_THREADS" \
+    --backend redis --redis-url "redis://127.0.0.1:$REDIS_PORT" >"$OUT/tollgate.log" 2>&1 &
+PIDS+=($!)
+TOLLGATE_PID=$!
+for _ in $(seq 1 100); do
+    grep -q "listening on" "$OUT/tollgate.log" && break
+    sleep 0.1
+done
+echo "== redis at 127.0.0.1:$REDIS_PORT, tollgate (redis backend) at 127.0.0.1:$TOLLGATE_PORT; results in $OUT"
+echo "   load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+run_one() { # run_one JSON ARGS...
+    local json=$1
+    shift
+    local r0 t0
+    r0=$(cpu_ticks "$REDIS_PID")
+    t0=$(cpu_ticks "$TOLLGATE_PID")
+    "$LOADTEST" --quiet --json "$json" --duration "$DURATION" --warmup "$WARMUP" \
+        --threads "$THREADS" --connections "$CONNECTIONS" --actors "$ACTORS" "$@" >"$json.log" 2>&1
+    python3 - "$json" "$r0" "$(cpu_ticks "$REDIS_PID")" "$t0" "$(cpu_ticks "$TOLLGATE_PID")" \
+        "$(getconf CLK_TCK)" <<'EOF'
+import json, sys
+path, (r0, r1, t0, t1, hz) = sys.argv[1], map(float, sys.argv[2:])
+r = json.load(open(path))
+answered = max(1, r["allowed"] + r["denied"] + r["errors"])
+r["cpu_us_per_request"] = {"redis": (r1 - r0) / hz * 1e6 / answered, "tollgate": (t1 - t0) / hz * 1e6 / answered}
+json.dump(r, open(path, "w"))
+l, c = r["latency_us"], r["cpu_us_per_request"]
+print(f"   {r['config']['protocol']:<12} {r['throughput_per_sec']:>10.0f}/s  p50 {l['p50']:>8.1f}  "
+      f"p99 {l['p99']:>8.1f} us  cpu/request: redis {c['redis']:5.1f} us, tollgate {c['tollgate']:5.1f} us  errors {r['errors']}")
+EOF
+}
+
+for p in $PIPELINES; do
+    echo "== $CONNECTIONS connections, pipeline $p"
+    for r in $(seq 1 "$ROUNDS"); do
+        prefix="p${p}r${r}a"
+        run_one "$OUT/p$p-tollgate-$r.json" --target "127.0.0.1:$TOLLGATE_PORT" --protocol divvy \
+            --pipeline "$p" --actor-prefix "$prefix"
+        run_one "$OUT/p$p-direct-$r.json" --target "127.0.0.1:$REDIS_PORT" --protocol resp-script \
+            --pipeline "$p" --actor-prefix "${prefix}d"
+    done
+done
+echo "   load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+echo
+echo "== summary (median over $ROUNDS rounds of $DURATION s; ratio = tollgate / direct)"
+python3 - "$OUT" "$ROUNDS" $PIPELINES <<'EOF'
+import json, statistics, sys
+out, rounds, pipelines = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+for p in pipelines:
+    med = {}
+    for target in ("tollgate", "direct"):
+        runs = [json.load(open(f"{out}/p{p}-{target}-{r}.json")) for r in range(1, rounds + 1)]
+        med[target] = (statistics.median(x["throughput_per_sec"] for x in runs),
+                       statistics.median(x["latency_us"]["p50"] for x in runs),
+                       statistics.median(x["latency_us"]["p99"] for x in runs),
+                       sum(x["errors"] for x in runs),
+                       statistics.median(x["cpu_us_per_request"]["redis"] for x in runs),
+                       statistics.median(x["cpu_us_per_request"]["tollgate"] for x in runs))
+    t, d = med["tollgate"], med["direct"]
+    print(f"pipeline {p:>3}: tollgate {t[0]:>9.0f}/s (p50 {t[1]:.0f} us, p99 {t[2]:.0f} us, errors {t[3]}, "
+          f"cpu/request redis {t[4]:.1f} us + tollgate {t[5]:.1f} us)")
+    print(f"              direct   {d[0]:>9.0f}/s (p50 {d[1]:.0f} us, p99 {d[2]:.0f} us, errors {d[3]}, "
+          f"cpu/request redis {d[4]:.1f} us)")
+    print(f"              ratio {t[0] / d[0]:.2f}x")
+EOF

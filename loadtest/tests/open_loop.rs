@@ -1,0 +1,85 @@
+//! Open loop against fake divvy servers: a slow server's queueing shows up in the latencies because
+//! they are measured from each request's intended send time, and the schedule keeps its rate.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{args, divvy_server, DivvyBehaviour};
+
+const DELAY_MS: f64 = 50.0;
+
+fn slow() -> common::FakeServer {
+    divvy_server(DivvyBehaviour {
+        delay: Duration::from_millis(DELAY_MS as u64),
+        limit: 1_000_000,
+        ..DivvyBehaviour::default()
+    })
+}
+
+#[test]
+fn a_slow_server_shows_in_open_loop_latencies() {
+    let srv = slow();
+    // 60 req/s for 0.5 s = 30 requests; the server answers 20 per second, so they queue.
+    let a = args(&format!(
+        "--target {} --rate 60 --duration 0.5 --connections 1 --pipeline 1 --drain-secs 3 --actors 5",
+        srv.target()
+    ));
+    let r = tollgate_loadtest::run(&a).unwrap();
+    assert_eq!(r.requests, 30, "{r:?}");
+    assert_eq!(r.unanswered, 0);
+    let l = r.latency_us;
+    assert!(l.p50 >= DELAY_MS * 1000.0, "{l:?}");
+    // Request k is due at k/60 s but answered at (k+1)/20 s: the latency grows by ~33 ms per request.
+    assert!(l.p90 >= 4.0 * DELAY_MS * 1000.0, "{l:?}");
+    assert!(l.max >= 10.0 * DELAY_MS * 1000.0, "{l:?}");
+}
+
+#[test]
+fn the_same_slow_server_in_closed_loop_hides_the_queue() {
+    let srv = slow();
+    let a = args(&format!(
+        "--target {} --duration 0.5 --connections 1 --pipeline 1 --actors 5",
+        srv.target()
+    ));
+    let r = tollgate_loadtest::run(&a).unwrap();
+    assert!((8..=11).contains(&r.requests), "{r:?}");
+    let l = r.latency_us;
+    assert!(
+        l.p50 >= DELAY_MS * 1000.0 && l.max < 3.0 * DELAY_MS * 1000.0,
+        "{l:?}"
+    );
+}
+
+#[test]
+fn open_loop_keeps_its_rate() {
+    let srv = divvy_server(DivvyBehaviour::default());
+    let a = args(&format!(
+        "--target {} --rate 2000 --duration 1 --connections 4 --actors 100",
+        srv.target()
+    ));
+    let r = tollgate_loadtest::run(&a).unwrap();
+    assert!((1990..=2000).contains(&r.requests), "{r:?}");
+    assert_eq!(r.allowed, 500);
+    assert!(
+        (0.95..1.05).contains(&(r.throughput_per_sec / 2000.0)),
+        "{r:?}"
+    );
+    // A fast local server answers well within the 2 ms between a connection's requests.
+    assert!(r.latency_us.p50 < 2000.0, "{:?}", r.latency_us);
+}
+
+#[test]
+fn warmup_is_sent_but_not_recorded_and_threads_share_the_rate() {
+    let srv = divvy_server(DivvyBehaviour::default());
+    let a = args(&format!(
+        "--target {} --rate 1000 --warmup 0.4 --duration 0.6 --connections 4 --threads 2 --actors 10000",
+        srv.target()
+    ));
+    let r = tollgate_loadtest::run(&a).unwrap();
+    let t = &srv.tally;
+    let seen = t.get(&t.lines);
+    assert!((990..=1000).contains(&seen), "server saw {seen}");
+    assert!((590..=600).contains(&r.requests), "{r:?}");
+    assert!((r.duration_secs - 0.6).abs() < 0.05, "{r:?}");
+}

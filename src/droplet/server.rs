@@ -1,0 +1,565 @@
+//! The droplet endpoint: droplet's protocol over WebSocket (SPEC §7). Each
+//! binary message is one protobuf `Droplet.Request`; each gets one binary
+//! `Droplet.Response`, in order. A text message, or a binary one that is not
+//! a complete request, gets a close frame with code 1000, as droplet does.
+//!
+//! Threads: like the line protocol, one OS thread per serving thread, each
+//! with its own single-threaded runtime and its own `SO_REUSEPORT` listener,
+//! so connections spread over cores and nothing crosses threads on the hot
+//! path. They are threads of their own rather than a second listener inside
+//! the line protocol's workers, so that this endpoint adds no code to
+//! `server/`, and an idle endpoint costs only sleeping threads.
+//!
+//! The HTTP handshake is read here (bounded in bytes and time, parsed with
+//! `httparse`) rather than inside tungstenite, because droplet's server
+//! answers a plain request without `Upgrade` with `200 Not implemented`,
+//! which tungstenite's acceptor cannot do. The upgrade itself is still
+//! validated and answered by tungstenite (`create_response`); we add the
+//! first offered subprotocol, as droplet's `ws` server echoed it, and decline
+//! permessage-deflate by not answering it (a client offering it still
+//! connects). Message and frame sizes are bounded by `message_bytes_max`; a
+//! larger message closes the connection with code 1009.
+
+use super::proto::{decode_request, encode_response, Command, DecodeError};
+use super::Buckets;
+use crate::clock::Clock;
+use crate::limiter::droplet_bucket::Balances;
+use crate::server::{bind_reuseport, refuse_if_in_use};
+use futures_util::{FutureExt, SinkExt, StreamExt};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_tungstenite::tungstenite::handshake::server::{create_response, write_response};
+use tokio_tungstenite::tungstenite::http;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+
+/// Longest HTTP request head accepted for the handshake.
+const HANDSHAKE_BYTES_MAX: usize = 16 * 1024;
+/// Most headers in the handshake request.
+const HANDSHAKE_HEADERS_MAX: usize = 64;
+/// A client must complete its handshake request within this long.
+const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// After our close frame, how long we wait for the client's.
+const CLOSE_WAIT_MS: u64 = 1_000;
+/// Read buffer per connection (tungstenite allocates it eagerly).
+const READ_BUFFER_BYTES: usize = 16 * 1024;
+/// Most requests answered before the answers are written out, so that one
+/// busy connection cannot hold its thread.
+const ANSWERS_PER_WRITE_MAX: usize = 1024;
+
+const NOT_IMPLEMENTED: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 15\r\nConnection: close\r\n\r\nNot implemented";
+const BAD_REQUEST: &[u8] =
+    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+const HEAD_TOO_LARGE: &[u8] = b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+const TOO_MANY_CONNECTIONS: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+/// Where and how the droplet endpoint serves.
+#[derive(Debug, Clone)]
+pub struct DropletServerConfig {
+    pub listen: SocketAddr,
+    /// Serving threads (one runtime and listener each).
+    pub threads: usize,
+    /// Largest message (and frame) accepted, in bytes.
+    pub message_bytes_max: usize,
+    /// Most connections open at once; more are answered `503`.
+    pub connections_max: usize,
+    /// How long shutdown waits for connections to close.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for DropletServerConfig {
+    fn default() -> Self {
+        DropletServerConfig {
+            listen: SocketAddr::from(([0, 0, 0, 0], super::DROPLET_PORT)),
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            message_bytes_max: 64 * 1024,
+            connections_max: 10_000,
+            drain_timeout_ms: 5_000,
+        }
+    }
+}
+
+/// What every connection shares.
+struct Shared {
+    buckets: Arc<Buckets>,
+    clock: Arc<dyn Clock>,
+    websocket: WebSocketConfig,
+    connections_max: usize,
+    open_connections: AtomicUsize,
+    drain_timeout_ms: u64,
+    /// A refused take (bucket cap) was logged at warn level once already.
+    warned_full: AtomicBool,
+}
+
+/// The endpoint with its listeners bound (its address known, port 0
+/// included), not serving yet.
+pub struct DropletServer {
+    listeners: Vec<std::net::TcpListener>,
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+/// A serving endpoint; [`RunningDroplet::stop`] closes it. Dropping it
+/// also shuts the endpoint down, without waiting for its threads.
+pub struct RunningDroplet {
+    pub local_addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl RunningDroplet {
+    /// Stops accepting, closes every connection (code 1001) and waits.
+    pub fn stop(self) {
+        let _ = self.shutdown.send(true);
+        for thread in self.threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl DropletServer {
+    pub fn bind(
+        config: DropletServerConfig,
+        buckets: Arc<Buckets>,
+        clock: Arc<dyn Clock>,
+    ) -> std::io::Result<DropletServer> {
+        refuse_if_in_use(config.listen)?;
+        let first = bind_reuseport(config.listen)?;
+        let local_addr = first.local_addr()?;
+        let mut listeners = vec![first];
+        for _ in 1..config.threads.max(1) {
+            listeners.push(bind_reuseport(local_addr)?);
+        }
+        let message_bytes_max = config.message_bytes_max.max(1);
+        let websocket = WebSocketConfig::default()
+            .read_buffer_size(READ_BUFFER_BYTES)
+            .write_buffer_size(READ_BUFFER_BYTES)
+            .max_message_size(Some(message_bytes_max))
+            .max_frame_size(Some(message_bytes_max));
+        Ok(DropletServer {
+            listeners,
+            local_addr,
+            shared: Arc::new(Shared {
+                buckets,
+                clock,
+                websocket,
+                connections_max: config.connections_max.max(1),
+                open_connections: AtomicUsize::new(0),
+                drain_timeout_ms: config.drain_timeout_ms,
+                warned_full: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Starts one serving thread per listener and returns at once.
+    pub fn spawn(self) -> std::io::Result<RunningDroplet> {
+        let (shutdown, receiver) = watch::channel(false);
+        let mut threads = Vec::new();
+        for (index, listener) in self.listeners.into_iter().enumerate() {
+            let shared = Arc::clone(&self.shared);
+            let receiver = receiver.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("tollgate-droplet-{index}"))
+                    .spawn(move || run_thread(listener, shared, receiver))?,
+            );
+        }
+        Ok(RunningDroplet {
+            local_addr: self.local_addr,
+            shutdown,
+            threads,
+        })
+    }
+}
+
+fn run_thread(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "cannot start a droplet serving runtime");
+            return;
+        }
+    };
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, accept_loop(listener, shared, shutdown));
+}
+
+/// Releases a connection slot when the connection ends, however it ends.
+struct ConnectionSlot(Arc<Shared>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.open_connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+async fn accept_loop(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::error!(%error, "cannot register the droplet listener");
+            return;
+        }
+    };
+    let mut stop = shutdown.clone();
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((mut stream, _peer)) = accepted else { continue };
+                let open = shared.open_connections.fetch_add(1, Ordering::AcqRel) + 1;
+                let slot = ConnectionSlot(Arc::clone(&shared));
+                if open > shared.connections_max {
+                    connections.spawn_local(async move {
+                        let _slot = slot;
+                        let _ = stream.write_all(TOO_MANY_CONNECTIONS).await;
+                        let _ = stream.shutdown().await;
+                    });
+                    continue;
+                }
+                let shared = Arc::clone(&shared);
+                let shutdown = shutdown.clone();
+                connections.spawn_local(async move {
+                    let _slot = slot;
+                    serve_connection(stream, shared, shutdown).await;
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    let drain = async { while connections.join_next().await.is_some() {} };
+    let drain_timeout = Duration::from_millis(shared.drain_timeout_ms);
+    if tokio::time::timeout(drain_timeout, drain).await.is_err() {
+        connections.abort_all();
+    }
+}
+
+/// What the handshake request asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Handshake {
+    /// A WebSocket upgrade: the `101` response to write, and how many bytes
+    /// of the buffer the request head took (the rest are WebSocket frames).
+    Upgrade {
+        response: Vec<u8>,
+        head_bytes: usize,
+    },
+    /// Anything else: write this and close.
+    Refuse(&'static [u8]),
+}
+
+/// Reads the request head and decides, bounded by [`HANDSHAKE_BYTES_MAX`].
+/// `None`: the client left (or failed) before finishing its request.
+async fn read_handshake(stream: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<Handshake> {
+    loop {
+        match parse_handshake(buffer) {
+            Some(handshake) => return Some(handshake),
+            None if buffer.len() >= HANDSHAKE_BYTES_MAX => {
+                return Some(Handshake::Refuse(HEAD_TOO_LARGE))
+            }
+            None => {}
+        }
+        let wanted = (HANDSHAKE_BYTES_MAX - buffer.len()).min(4096);
+        let mut chunk = vec![0u8; wanted];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buffer.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// Decides what a (possibly partial) request head asks: `None` while it is
+/// incomplete.
+fn parse_handshake(buffer: &[u8]) -> Option<Handshake> {
+    let mut headers = [httparse::EMPTY_HEADER; HANDSHAKE_HEADERS_MAX];
+    let mut request = httparse::Request::new(&mut headers);
+    let head_bytes = match request.parse(buffer) {
+        Ok(httparse::Status::Complete(head_bytes)) => head_bytes,
+        Ok(httparse::Status::Partial) => return None,
+        Err(httparse::Error::TooManyHeaders) => return Some(Handshake::Refuse(HEAD_TOO_LARGE)),
+        Err(_) => return Some(Handshake::Refuse(BAD_REQUEST)),
+    };
+    let upgrade = request
+        .headers
+        .iter()
+        .any(|h| h.name.eq_ignore_ascii_case("upgrade"));
+    if !upgrade {
+        return Some(Handshake::Refuse(NOT_IMPLEMENTED));
+    }
+    match upgrade_response(&request) {
+        Some(response) => Some(Handshake::Upgrade {
+            response,
+            head_bytes,
+        }),
+        None => Some(Handshake::Refuse(BAD_REQUEST)),
+    }
+}
+
+/// The `101 Switching Protocols` response, or `None` for an invalid upgrade.
+fn upgrade_response(request: &httparse::Request<'_, '_>) -> Option<Vec<u8>> {
+    let mut builder = http::Request::builder()
+        .method(request.method?)
+        .uri(request.path?)
+        .version(match request.version? {
+            0 => http::Version::HTTP_10,
+            _ => http::Version::HTTP_11,
+        });
+    for header in request.headers.iter() {
+        builder = builder.header(header.name, header.value);
+    }
+    let request = builder.body(()).ok()?;
+    let mut response = create_response(&request).ok()?;
+    // Echo the first subprotocol offered, as droplet's server did.
+    let offered = request
+        .headers()
+        .get_all("Sec-WebSocket-Protocol")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        .find(|protocol| !protocol.is_empty());
+    if let Some(protocol) = offered.and_then(|p| http::HeaderValue::from_str(p).ok()) {
+        response
+            .headers_mut()
+            .insert("Sec-WebSocket-Protocol", protocol);
+    }
+    let mut bytes = Vec::with_capacity(256);
+    write_response(&mut bytes, &response).ok()?;
+    Some(bytes)
+}
+
+async fn serve_connection(
+    mut stream: TcpStream,
+    shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let mut buffer = Vec::with_capacity(1024);
+    let handshake = tokio::time::timeout(
+        Duration::from_millis(HANDSHAKE_TIMEOUT_MS),
+        read_handshake(&mut stream, &mut buffer),
+    )
+    .await;
+    let (response, head_bytes) = match handshake {
+        Ok(Some(Handshake::Upgrade {
+            response,
+            head_bytes,
+        })) => (response, head_bytes),
+        Ok(Some(Handshake::Refuse(answer))) => {
+            let _ = stream.write_all(answer).await;
+            let _ = stream.shutdown().await;
+            return;
+        }
+        Ok(None) | Err(_) => return,
+    };
+    if stream.write_all(&response).await.is_err() {
+        return;
+    }
+    let leftover = buffer.split_off(head_bytes);
+    let websocket = WebSocketStream::from_partially_read(
+        stream,
+        leftover,
+        Role::Server,
+        Some(shared.websocket),
+    )
+    .await;
+    Session { shared, websocket }.run(shutdown).await;
+}
+
+/// What one incoming message calls for.
+enum Step {
+    Answer(Vec<u8>),
+    /// Control frames: tungstenite answers pings and closes by itself.
+    Nothing,
+    Close(CloseCode),
+    /// The connection is gone.
+    End,
+}
+
+struct Session {
+    shared: Arc<Shared>,
+    websocket: WebSocketStream<TcpStream>,
+}
+
+impl Session {
+    async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+        if *shutdown.borrow() {
+            return self.close(CloseCode::Away).await;
+        }
+        loop {
+            let incoming = tokio::select! {
+                incoming = self.websocket.next() => incoming,
+                _ = shutdown.changed() => return self.close(CloseCode::Away).await,
+            };
+            let mut step = self.step(incoming);
+            // Answer everything that has already arrived, then write once.
+            for answered in 1.. {
+                match step {
+                    Step::Answer(bytes) => {
+                        if self
+                            .websocket
+                            .feed(Message::Binary(bytes.into()))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Step::Nothing => {}
+                    Step::Close(code) => return self.close(code).await,
+                    Step::End => {
+                        let _ = self.websocket.flush().await;
+                        return;
+                    }
+                }
+                if answered == ANSWERS_PER_WRITE_MAX {
+                    break;
+                }
+                match self.websocket.next().now_or_never() {
+                    Some(incoming) => step = self.step(incoming),
+                    None => break,
+                }
+            }
+            if self.websocket.flush().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn step(&self, incoming: Option<Result<Message, WsError>>) -> Step {
+        match incoming {
+            Some(Ok(Message::Binary(bytes))) => match self.answer(&bytes) {
+                Ok(response) => Step::Answer(response),
+                Err(error) => {
+                    tracing::debug!(%error, "droplet: undecodable request, closing");
+                    Step::Close(CloseCode::Normal)
+                }
+            },
+            Some(Ok(Message::Text(_))) => {
+                tracing::debug!("droplet: text message, closing");
+                Step::Close(CloseCode::Normal)
+            }
+            Some(Ok(
+                Message::Ping(_) | Message::Pong(_) | Message::Close(_) | Message::Frame(_),
+            )) => Step::Nothing,
+            Some(Err(WsError::Capacity(error))) => {
+                tracing::debug!(%error, "droplet: message too large, closing");
+                Step::Close(CloseCode::Size)
+            }
+            Some(Err(_)) | None => Step::End,
+        }
+    }
+
+    fn answer(&self, bytes: &[u8]) -> Result<Vec<u8>, DecodeError> {
+        let now_ms = self.shared.clock.now_ms();
+        let buckets = &self.shared.buckets;
+        Ok(match decode_request(bytes)? {
+            Command::Take { bucket, request } => match buckets.take(&bucket, &request, now_ms) {
+                Ok(outcome) => encode_response(outcome.accept, &outcome.balances),
+                Err(full) => {
+                    if !self.shared.warned_full.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(%full, "droplet: take refused (answered accept=false); further refusals are logged at debug level");
+                    } else {
+                        tracing::debug!(%full, "droplet: take refused");
+                    }
+                    encode_response(false, &Balances::default())
+                }
+            },
+            Command::Query { bucket } => {
+                encode_response(true, &buckets.query(&bucket, now_ms).unwrap_or_default())
+            }
+        })
+    }
+
+    /// Sends a close frame, then waits (briefly) for the client's.
+    async fn close(mut self, code: CloseCode) {
+        let frame = CloseFrame {
+            code,
+            reason: "".into(),
+        };
+        if self.websocket.close(Some(frame)).await.is_err() {
+            return;
+        }
+        let wait_for_client = async { while let Some(Ok(_)) = self.websocket.next().await {} };
+        let _ = tokio::time::timeout(Duration::from_millis(CLOSE_WAIT_MS), wait_for_client).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upgrade_request(extra_headers: &str) -> String {
+        format!(
+            "GET /any/path HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+             Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n{extra_headers}\r\n"
+        )
+    }
+
+    #[test]
+    fn upgrade_echoes_the_first_subprotocol_and_declines_deflate() {
+        let request = upgrade_request(
+            "Sec-WebSocket-Protocol: droplet, other\r\nSec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n",
+        );
+        let Some(Handshake::Upgrade {
+            response,
+            head_bytes,
+        }) = parse_handshake(request.as_bytes())
+        else {
+            panic!("an upgrade");
+        };
+        assert_eq!(head_bytes, request.len());
+        let response = String::from_utf8(response).unwrap().to_ascii_lowercase();
+        assert!(
+            response.starts_with("http/1.1 101 switching protocols\r\n"),
+            "{response}"
+        );
+        // RFC 6455's example key.
+        assert!(response.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo=\r\n"));
+        assert!(response.contains("sec-websocket-protocol: droplet\r\n"));
+        assert!(!response.contains("sec-websocket-extensions"));
+    }
+
+    #[test]
+    fn partial_plain_and_invalid_requests() {
+        let request = upgrade_request("");
+        assert_eq!(parse_handshake(&request.as_bytes()[..20]), None);
+        assert_eq!(
+            parse_handshake(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+            Some(Handshake::Refuse(NOT_IMPLEMENTED))
+        );
+        assert_eq!(
+            parse_handshake(b"GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n"),
+            Some(Handshake::Refuse(BAD_REQUEST))
+        );
+        assert_eq!(
+            parse_handshake(b"\x16\x03\x01 not http\r\n\r\n"),
+            Some(Handshake::Refuse(BAD_REQUEST))
+        );
+    }
+}

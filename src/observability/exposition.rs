@@ -1,0 +1,386 @@
+//! The Prometheus exposition: divvy's four series under their exact names,
+//! labels, help texts and buckets, plus Tollgate's own `tollgate_` series.
+//! Values are read from [`Metrics`] (and the stores) at scrape time by
+//! a custom [`Collector`]; the `prometheus` crate's [`Registry`] sorts and
+//! validates them and its [`TextEncoder`] writes the classic text format
+//! 0.0.4, the format of divvy's prom-client. Nothing is recorded here.
+//!
+//! No series is ever labelled with a user key or an actor value: the only
+//! label values are hit statuses, rule labels (from the configuration), error
+//! codes, the backend's name, the drop reason and the version.
+
+use crate::droplet::Buckets;
+use crate::engine::Engine;
+use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES, HIT_DURATION_BUCKETS_SECONDS};
+use crate::store::MemoryStore;
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{
+    Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
+};
+use prometheus::{Encoder, Registry, TextEncoder};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The content type of the text format (what prom-client answered with).
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("cannot describe metric {name}: {source}")]
+    Describe {
+        name: &'static str,
+        source: prometheus::Error,
+    },
+    #[error("cannot register the metrics collector: {0}")]
+    Register(prometheus::Error),
+    #[error("cannot encode metrics: {0}")]
+    Encode(prometheus::Error),
+}
+
+/// What a scrape reads.
+pub struct ExportSources {
+    pub engine: Arc<Engine>,
+    /// The in-memory store, for its live keys and sweeps (absent in Redis
+    /// mode, where counters live elsewhere).
+    pub store: Option<Arc<MemoryStore>>,
+    /// The droplet token buckets, when the server keeps them.
+    pub buckets: Option<Arc<Buckets>>,
+}
+
+/// Renders the exposition text on demand.
+pub struct PrometheusExporter {
+    registry: Registry,
+}
+
+impl PrometheusExporter {
+    pub fn new(sources: ExportSources) -> Result<PrometheusExporter, ExportError> {
+        let registry = Registry::new();
+        registry
+            .register(Box::new(ServerCollector::new(sources)?))
+            .map_err(ExportError::Register)?;
+        Ok(PrometheusExporter { registry })
+    }
+
+    /// The exposition text of every series, in the text format 0.0.4.
+    pub fn render(&self) -> Result<Vec<u8>, ExportError> {
+        let mut out = Vec::with_capacity(4096);
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .map_err(ExportError::Encode)?;
+        Ok(out)
+    }
+}
+
+/// One exported family: its name, help and type, and its label names.
+struct Family {
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    labels: &'static [&'static str],
+}
+
+const DIVVY_CONNECTIONS: Family = Family {
+    name: "divvy_tcp_connections_total",
+    help: "Total number of open TCP connections to Divvy.",
+    kind: MetricType::GAUGE,
+    labels: &[],
+};
+const DIVVY_HIT_DURATION: Family = Family {
+    name: "divvy_hit_duration_seconds",
+    help: "Histogram of Divvy processing time for HITs.",
+    kind: MetricType::HISTOGRAM,
+    labels: &[],
+};
+const DIVVY_HITS: Family = Family {
+    name: "divvy_hits_total",
+    help: "Counter of total HITs to Divvy.",
+    kind: MetricType::COUNTER,
+    labels: &["status", "rule_label"],
+};
+const DIVVY_ERRORS: Family = Family {
+    name: "divvy_errors_total",
+    help: "Counter of total Divvy errors.",
+    kind: MetricType::COUNTER,
+    labels: &["code"],
+};
+const BUILD_INFO: Family = Family {
+    name: "tollgate_build_info",
+    help: "Always 1; the version label says which Tollgate is running.",
+    kind: MetricType::GAUGE,
+    labels: &["version"],
+};
+const RULES: Family = Family {
+    name: "tollgate_rules",
+    help: "Rules in the loaded configuration.",
+    kind: MetricType::GAUGE,
+    labels: &[],
+};
+const CONNECTIONS_ACCEPTED: Family = Family {
+    name: "tollgate_connections_accepted_total",
+    help: "Client connections accepted and served since start.",
+    kind: MetricType::COUNTER,
+    labels: &[],
+};
+const CONNECTIONS_REFUSED: Family = Family {
+    name: "tollgate_connections_refused_total",
+    help: "Client connections refused because the connection limit was reached.",
+    kind: MetricType::COUNTER,
+    labels: &[],
+};
+const LIVE_KEYS: Family = Family {
+    name: "tollgate_live_keys",
+    help: "Counters held in memory (expired ones not yet swept included).",
+    kind: MetricType::GAUGE,
+    labels: &[],
+};
+const LIVE_KEYS_MAX: Family = Family {
+    name: "tollgate_live_keys_max",
+    help: "The cap on counters held in memory.",
+    kind: MetricType::GAUGE,
+    labels: &[],
+};
+const SWEEPS: Family = Family {
+    name: "tollgate_sweeps_total",
+    help: "Sweeper ticks run over the in-memory counters.",
+    kind: MetricType::COUNTER,
+    labels: &[],
+};
+const SWEPT_KEYS: Family = Family {
+    name: "tollgate_swept_keys_total",
+    help: "Expired counters reclaimed from memory.",
+    kind: MetricType::COUNTER,
+    labels: &[],
+};
+const DROPLET_BUCKETS: Family = Family {
+    name: "tollgate_droplet_buckets",
+    help: "Droplet token buckets held in memory (forgotten ones not yet reclaimed included).",
+    kind: MetricType::GAUGE,
+    labels: &[],
+};
+const BACKEND_ERRORS: Family = Family {
+    name: "tollgate_backend_errors_total",
+    help: "Backend requests that failed (error or timeout).",
+    kind: MetricType::COUNTER,
+    labels: &["backend"],
+};
+const BACKEND_HEALTHY: Family = Family {
+    name: "tollgate_backend_healthy",
+    help: "1 while the backend can decide hits, 0 while it cannot.",
+    kind: MetricType::GAUGE,
+    labels: &["backend"],
+};
+const STATSD_DROPPED: Family = Family {
+    name: "tollgate_statsd_dropped_total",
+    help: "Statsd lines dropped instead of sent, by reason.",
+    kind: MetricType::COUNTER,
+    labels: &["reason"],
+};
+
+const FAMILIES: [&Family; 16] = [
+    &DIVVY_CONNECTIONS,
+    &DIVVY_HIT_DURATION,
+    &DIVVY_HITS,
+    &DIVVY_ERRORS,
+    &BUILD_INFO,
+    &RULES,
+    &CONNECTIONS_ACCEPTED,
+    &CONNECTIONS_REFUSED,
+    &LIVE_KEYS,
+    &LIVE_KEYS_MAX,
+    &SWEEPS,
+    &SWEPT_KEYS,
+    &DROPLET_BUCKETS,
+    &BACKEND_ERRORS,
+    &BACKEND_HEALTHY,
+    &STATSD_DROPPED,
+];
+
+struct ServerCollector {
+    sources: ExportSources,
+    descs: Vec<Desc>,
+}
+
+impl ServerCollector {
+    fn new(sources: ExportSources) -> Result<ServerCollector, ExportError> {
+        let descs = FAMILIES
+            .iter()
+            .map(|family| {
+                Desc::new(
+                    family.name.to_owned(),
+                    family.help.to_owned(),
+                    family.labels.iter().map(|l| (*l).to_owned()).collect(),
+                    HashMap::new(),
+                )
+                .map_err(|source| ExportError::Describe {
+                    name: family.name,
+                    source,
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(ServerCollector { sources, descs })
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.sources.engine.metrics
+    }
+}
+
+impl Collector for ServerCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let metrics = self.metrics();
+        let engine = &self.sources.engine;
+        let backend = engine.backend().name();
+        let errors = ERROR_CODES
+            .iter()
+            .map(|&code| (code.as_str(), metrics.errors(code)))
+            .filter(|&(_, count)| count > 0)
+            .map(|(code, count)| counter(&DIVVY_ERRORS, &[code], count))
+            .collect();
+        let statsd_dropped = StatsdDrop::ALL
+            .iter()
+            .map(|&reason| {
+                let dropped = metrics.statsd_dropped_total(reason);
+                counter(&STATSD_DROPPED, &[reason.as_str()], dropped)
+            })
+            .collect();
+        let healthy = f64::from(u8::from(metrics.backend_healthy()));
+        let mut out = vec![
+            plain_gauge(&DIVVY_CONNECTIONS, metrics.connections_open() as f64),
+            family(&DIVVY_HIT_DURATION, vec![hit_duration(metrics)]),
+            family(&DIVVY_HITS, hits(metrics)),
+            family(&DIVVY_ERRORS, errors),
+            family(
+                &BUILD_INFO,
+                vec![gauge(&BUILD_INFO, &[env!("CARGO_PKG_VERSION")], 1.0)],
+            ),
+            plain_gauge(&RULES, engine.rules().set.rules().len() as f64),
+            plain_counter(&CONNECTIONS_ACCEPTED, metrics.connections_accepted()),
+            plain_counter(&CONNECTIONS_REFUSED, metrics.connections_refused()),
+            family(
+                &BACKEND_ERRORS,
+                vec![counter(
+                    &BACKEND_ERRORS,
+                    &[backend],
+                    metrics.backend_errors(),
+                )],
+            ),
+            family(
+                &BACKEND_HEALTHY,
+                vec![gauge(&BACKEND_HEALTHY, &[backend], healthy)],
+            ),
+            family(&STATSD_DROPPED, statsd_dropped),
+        ];
+        if let Some(store) = &self.sources.store {
+            use std::sync::atomic::Ordering::Relaxed;
+            out.extend([
+                plain_gauge(&LIVE_KEYS, store.live_keys() as f64),
+                plain_gauge(&LIVE_KEYS_MAX, store.live_keys_max() as f64),
+                plain_counter(&SWEEPS, store.sweep_stats.sweeps.load(Relaxed)),
+                plain_counter(&SWEPT_KEYS, store.sweep_stats.reclaimed.load(Relaxed)),
+            ]);
+        }
+        if let Some(buckets) = &self.sources.buckets {
+            out.push(plain_gauge(&DROPLET_BUCKETS, buckets.len() as f64));
+        }
+        out
+    }
+}
+
+/// One sample per (status, label) that has counted at least one hit, as
+/// prom-client showed a labelled series only once it was incremented.
+fn hits(metrics: &Metrics) -> Vec<Metric> {
+    let mut samples = Vec::new();
+    for (label, counters) in metrics.labels() {
+        for status in HitStatus::ALL {
+            let count = counters.get(status);
+            if count > 0 {
+                samples.push(counter(&DIVVY_HITS, &[status.as_str(), &label], count));
+            }
+        }
+    }
+    samples
+}
+
+fn hit_duration(metrics: &Metrics) -> Metric {
+    let (counts, sum_seconds) = metrics.hit_durations();
+    let mut cumulative = 0;
+    let buckets = HIT_DURATION_BUCKETS_SECONDS
+        .iter()
+        .zip(counts)
+        .map(|(&upper_bound, count)| {
+            cumulative += count;
+            let mut bucket = Bucket::default();
+            bucket.set_upper_bound(upper_bound);
+            bucket.set_cumulative_count(cumulative);
+            bucket
+        })
+        .collect();
+    // The count includes the +Inf bucket (the encoder writes it from the count).
+    let total: u64 = counts.iter().sum();
+    let mut histogram = Histogram::default();
+    histogram.set_bucket(buckets);
+    histogram.set_sample_count(total);
+    histogram.set_sample_sum(sum_seconds);
+    let mut metric = Metric::default();
+    metric.set_histogram(histogram);
+    metric
+}
+
+fn family(family: &Family, samples: Vec<Metric>) -> MetricFamily {
+    let mut out = MetricFamily::default();
+    out.set_name(family.name.to_owned());
+    out.set_help(family.help.to_owned());
+    out.set_field_type(family.kind);
+    out.set_metric(samples);
+    out
+}
+
+/// A family of one unlabelled gauge.
+fn plain_gauge(of: &Family, value: f64) -> MetricFamily {
+    family(of, vec![gauge(of, &[], value)])
+}
+
+/// A family of one unlabelled counter.
+fn plain_counter(of: &Family, value: u64) -> MetricFamily {
+    family(of, vec![counter(of, &[], value)])
+}
+
+/// A sample of `family` with these label values, in the family's label order.
+fn labelled(family: &Family, label_values: &[&str]) -> Metric {
+    debug_assert_eq!(family.labels.len(), label_values.len(), "{}", family.name);
+    let mut metric = Metric::default();
+    metric.set_label(
+        family
+            .labels
+            .iter()
+            .zip(label_values)
+            .map(|(name, value)| {
+                let mut pair = LabelPair::default();
+                pair.set_name((*name).to_owned());
+                pair.set_value((*value).to_owned());
+                pair
+            })
+            .collect(),
+    );
+    metric
+}
+
+fn counter(family: &Family, label_values: &[&str], value: u64) -> Metric {
+    let mut metric = labelled(family, label_values);
+    let mut counter = Counter::default();
+    counter.set_value(value as f64);
+    metric.set_counter(counter);
+    metric
+}
+
+fn gauge(family: &Family, label_values: &[&str], value: f64) -> Metric {
+    let mut metric = labelled(family, label_values);
+    let mut gauge = Gauge::default();
+    gauge.set_value(value);
+    metric.set_gauge(gauge);
+    metric
+}

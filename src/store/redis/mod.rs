@@ -1,0 +1,398 @@
+//! The Redis-backed mode and Redis persistence. With `--backend redis`,
+//! counters live in the Redis that divvy uses, in divvy's key layout, one
+//! atomic script call per request (SPEC §5), so that divvy and Tollgate can
+//! count the same keys side by side during a migration. With
+//! `--persist-redis URL`, the in-memory counters are written to Redis
+//! periodically and loaded at start ([`persist`]). This is the only module
+//! that names `redis` types.
+//!
+//! Failure behaviour: a hit waits at most `backend_timeout_ms` for Redis,
+//! then fails with a [`BackendError`] that the engine turns into `ERR` (or the
+//! `--unavailable-policy` answer); while Redis is down hits fail at once; the
+//! client reconnects by itself ([`client`]).
+
+pub mod client;
+pub mod persist;
+pub mod script;
+
+use crate::metrics::Metrics;
+use crate::rules::{Algorithm, RuleSet};
+use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
+use client::{ClientConfig, ClientStartError, HealthBoard, RedisClient};
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
+use script::{LoadedScript, ScriptCall, ScriptError, HIT_SCRIPT, PEEK_SCRIPT};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use persist::{PersistConfig, Persistence};
+
+/// Where counters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum BackendKind {
+    /// In this process's memory (the default).
+    #[default]
+    Memory,
+    /// In Redis, in divvy's key layout (single node; shares divvy's Redis).
+    Redis,
+}
+
+/// Flags of the Redis backend and of Redis persistence (flattened into
+/// `tollgate serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RedisArgs {
+    /// Where counters live: `memory`, or `redis` (divvy's Redis and key layout).
+    #[arg(long, value_enum, default_value_t = BackendKind::Memory)]
+    pub backend: BackendKind,
+
+    /// Redis host of the redis backend, as divvy reads it.
+    #[arg(long, env = "REDIS_HOST", default_value = "localhost")]
+    pub redis_host: String,
+
+    /// Redis port of the redis backend, as divvy reads it (read only with
+    /// --backend redis, so that an unrelated REDIS_PORT, such as the
+    /// `tcp://…` that Kubernetes sets, never stops the memory backend).
+    #[arg(long, env = "REDIS_PORT", default_value = "6379")]
+    pub redis_port: String,
+
+    /// Redis URL of the redis backend, for a password, a database or TLS
+    /// (`redis://[user:password@]host:port/db`, `rediss://…`); overrides
+    /// REDIS_HOST and REDIS_PORT.
+    #[arg(long, value_name = "URL")]
+    pub redis_url: Option<String>,
+
+    /// Longest a hit waits for its backend (Redis) before it is answered
+    /// `ERR` or by --unavailable-policy, in milliseconds.
+    #[arg(long, default_value_t = 1_000)]
+    pub backend_timeout_ms: u64,
+
+    /// Persist the in-memory counters to this Redis (URL): written every
+    /// --persist-interval-ms, loaded at start, written fully at shutdown.
+    #[arg(long, value_name = "URL")]
+    pub persist_redis: Option<String>,
+
+    /// How often persistence writes a batch of counters, in milliseconds.
+    #[arg(long, default_value_t = persist::DEFAULT_INTERVAL_MS)]
+    pub persist_interval_ms: u64,
+
+    /// Most counters persistence writes per interval (bounds its cost; a full
+    /// pass over N counters takes ceil(N / this) intervals).
+    #[arg(long, default_value_t = persist::DEFAULT_COUNTERS_PER_TICK)]
+    pub persist_counters_per_tick: usize,
+
+    /// Prefix of persisted counter keys (one per deployment sharing a Redis).
+    #[arg(long, default_value = persist::DEFAULT_KEY_PREFIX)]
+    pub persist_key_prefix: String,
+}
+
+impl RedisArgs {
+    /// The backend's Redis: `--redis-url`, else REDIS_HOST and REDIS_PORT.
+    pub fn backend_connection_info(&self) -> Result<ConnectionInfo, RedisSetupError> {
+        match &self.redis_url {
+            Some(url) => parse_url(url),
+            None => {
+                let port = self
+                    .redis_port
+                    .trim()
+                    .parse()
+                    .map_err(|_| RedisSetupError::BadPort(self.redis_port.clone()))?;
+                Ok(ConnectionInfo {
+                    addr: ConnectionAddr::Tcp(self.redis_host.clone(), port),
+                    redis: RedisConnectionInfo::default(),
+                })
+            }
+        }
+    }
+
+    pub fn persist_config(&self) -> Result<Option<PersistConfig>, RedisSetupError> {
+        let Some(url) = &self.persist_redis else {
+            return Ok(None);
+        };
+        if self.backend == BackendKind::Redis {
+            return Err(RedisSetupError::PersistWithRedisBackend);
+        }
+        Ok(Some(PersistConfig {
+            connection_info: parse_url(url)?,
+            interval_ms: self.persist_interval_ms.max(1),
+            counters_per_tick: self.persist_counters_per_tick.max(1),
+            key_prefix: self.persist_key_prefix.clone(),
+            timeout_ms: self.backend_timeout_ms.max(1),
+        }))
+    }
+}
+
+fn parse_url(url: &str) -> Result<ConnectionInfo, RedisSetupError> {
+    url.into_connection_info()
+        .map_err(|error| RedisSetupError::BadUrl(error.to_string()))
+}
+
+/// Why the Redis backend or persistence could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisSetupError {
+    #[error("invalid redis URL: {0}")]
+    BadUrl(String),
+    #[error("REDIS_PORT (--redis-port) must be a port number, got '{0}'")]
+    BadPort(String),
+    #[error(transparent)]
+    Client(#[from] ClientStartError),
+    #[error("rule {rule} uses the {algorithm} algorithm; the redis backend counts only fixed windows (divvy's), so it cannot serve this rule")]
+    UnsupportedAlgorithm { rule: String, algorithm: String },
+    #[error("--persist-redis persists the in-memory backend; with --backend redis the counters already live in Redis")]
+    PersistWithRedisBackend,
+}
+
+/// Checks that the redis backend can serve every rule: Redis counts divvy's
+/// fixed windows only. Call it on every rule set the backend will see (at
+/// start, and on reload). This is the one place to extend when other
+/// algorithms get a Redis form.
+pub fn check_rules(rules: &RuleSet) -> Result<(), RedisSetupError> {
+    for rule in rules.rules() {
+        check_algorithm(rule.algorithm).map_err(|algorithm| {
+            RedisSetupError::UnsupportedAlgorithm {
+                rule: rule.origin.to_string(),
+                algorithm: algorithm.to_string(),
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// `Err(name)` for an algorithm that has no Redis form (divvy's Redis knows
+/// only its fixed window). A new algorithm must be decided on here.
+fn check_algorithm(algorithm: Algorithm) -> Result<(), &'static str> {
+    match algorithm {
+        Algorithm::FixedWindow => Ok(()),
+        Algorithm::TokenBucket | Algorithm::SlidingWindow => Err(algorithm.as_str()),
+    }
+}
+
+/// Counters in Redis, in divvy's layout.
+///
+/// Each serving thread opens its own Redis connection on first use, on its
+/// own runtime, and pipelines the requests of all its client connections
+/// onto it: no request crosses threads, and those of one client connection
+/// reach Redis in order. A probe connection on a thread of its own checks
+/// Redis at start (so the start-up log says whether it is reachable) and
+/// stands in while a thread's own connection is not up (first use,
+/// reconnection) or for callers without a runtime.
+pub struct RedisBackend {
+    /// Tells the serving threads' clients apart from other backends' in
+    /// [`THREAD_CLIENTS`]; they stop once it is gone.
+    alive: Arc<()>,
+    probe_client: RedisClient,
+    thread_client_config: ClientConfig,
+    hit_script: Arc<LoadedScript>,
+    peek_script: Arc<LoadedScript>,
+    backend_timeout_ms: u64,
+    metrics: Arc<Metrics>,
+}
+
+thread_local! {
+    /// The Redis clients this thread started for itself, with the backend
+    /// each belongs to.
+    static THREAD_CLIENTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, RedisClient)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl RedisBackend {
+    /// Connects (without waiting long: an unreachable Redis is reported and
+    /// retried, not fatal) and checks that Redis can serve `rules`.
+    pub fn start(
+        args: &RedisArgs,
+        rules: &RuleSet,
+        metrics: Arc<Metrics>,
+    ) -> Result<RedisBackend, RedisSetupError> {
+        check_rules(rules)?;
+        let connection_info = args.backend_connection_info()?;
+        let config = ClientConfig {
+            health: HealthBoard::new(
+                "redis backend",
+                &connection_info,
+                Some(Arc::clone(&metrics)),
+            ),
+            connection_info,
+            connections: 1,
+            connect_timeout_ms: args.backend_timeout_ms.max(1_000),
+            ping_timeout_ms: args.backend_timeout_ms.max(500),
+            scripts: vec![HIT_SCRIPT, PEEK_SCRIPT],
+        };
+        Ok(RedisBackend {
+            alive: Arc::new(()),
+            probe_client: RedisClient::start(config.clone())?,
+            thread_client_config: config,
+            hit_script: Arc::new(LoadedScript::new(HIT_SCRIPT)),
+            peek_script: Arc::new(LoadedScript::new(PEEK_SCRIPT)),
+            backend_timeout_ms: args.backend_timeout_ms.max(1),
+            metrics,
+        })
+    }
+
+    /// This thread's own client, started on its runtime on first use (the
+    /// probe client when the thread has no runtime).
+    fn thread_client(&self) -> RedisClient {
+        THREAD_CLIENTS.with(|clients| {
+            let mut clients = clients.borrow_mut();
+            if let Some((_, client)) = clients
+                .iter()
+                .find(|(backend, _)| std::ptr::eq(backend.as_ptr(), Arc::as_ptr(&self.alive)))
+            {
+                return client.clone();
+            }
+            // Clients of backends that are gone stop when dropped here.
+            clients.retain(|(backend, _)| backend.strong_count() > 0);
+            match RedisClient::start_here(self.thread_client_config.clone()) {
+                Ok(client) => {
+                    clients.push((Arc::downgrade(&self.alive), client.clone()));
+                    client
+                }
+                Err(_) => self.probe_client.clone(),
+            }
+        })
+    }
+
+    /// Where the backend connects, without credentials.
+    pub fn target(&self) -> &str {
+        self.probe_client.target()
+    }
+
+    fn fail(&self, count: usize, error: BackendError) -> Decisions {
+        self.metrics.backend_error();
+        (0..count).map(|_| Err(error.clone())).collect()
+    }
+}
+
+/// An error message safe inside `ERR unknown "<message>"`: one line, no
+/// double quotes, bounded length.
+fn client_safe_message(text: &str) -> String {
+    const MESSAGE_CHARS_MAX: usize = 200;
+    text.chars()
+        .map(|c| match c {
+            '"' => '\'',
+            c if c.is_control() => ' ',
+            c => c,
+        })
+        .take(MESSAGE_CHARS_MAX)
+        .collect()
+}
+
+impl Backend for RedisBackend {
+    fn decide(&self, ops: &[CounterOp<'_>], _now_ms: u64) -> Decided {
+        // Redis keeps its own clock: the window is the key's TTL.
+        if let Some(algorithm) = ops
+            .iter()
+            .find_map(|op| check_algorithm(op.rule.algorithm).err())
+        {
+            return Decided::Ready(self.fail(
+                ops.len(),
+                BackendError::Unavailable(format!("the redis backend cannot count {algorithm}")),
+            ));
+        }
+        // This thread's own connection; while it is not up (first use,
+        // reconnecting), the probe connection stands in.
+        let thread_client = self.thread_client();
+        let leased = match thread_client.lease() {
+            Some(lease) => Some((thread_client.clone(), lease)),
+            None => self
+                .probe_client
+                .lease()
+                .map(|lease| (self.probe_client.clone(), lease)),
+        };
+        let Some((client, mut lease)) = leased else {
+            let error = thread_client.not_connected().to_string();
+            return Decided::Ready(self.fail(ops.len(), BackendError::Unavailable(error)));
+        };
+        let call = ScriptCall::new(ops);
+        let peek = ops.iter().any(|op| op.peek);
+        let script = Arc::clone(if peek {
+            &self.peek_script
+        } else {
+            &self.hit_script
+        });
+        let metrics = Arc::clone(&self.metrics);
+        let timeout_ms = self.backend_timeout_ms;
+        Decided::Later(Box::pin(async move {
+            let invoked = tokio::time::timeout(
+                Duration::from_millis(timeout_ms),
+                call.invoke(&client, &mut lease, &script),
+            )
+            .await;
+            let error = match invoked {
+                Ok(Ok(decisions)) => return decisions.into_iter().map(Ok).collect(),
+                Ok(Err(ScriptError::Request(error))) => {
+                    BackendError::Unavailable(client_safe_message(&error.to_string()))
+                }
+                Ok(Err(error @ ScriptError::Reply(_))) => {
+                    BackendError::Unavailable(client_safe_message(&error.to_string()))
+                }
+                Err(_elapsed) => BackendError::Timeout(timeout_ms),
+            };
+            metrics.backend_error();
+            (0..call.len()).map(|_| Err(error.clone())).collect()
+        }))
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn check_rules(&self, rules: &RuleSet) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(check_rules(rules)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_for_clients_are_one_quoted_safe_line() {
+        assert_eq!(client_safe_message("ERR \"bad\"\nthing"), "ERR 'bad' thing");
+        assert_eq!(client_safe_message(&"x".repeat(500)).len(), 200);
+    }
+
+    #[test]
+    fn only_fixed_window_rules_can_be_served_from_redis() {
+        assert!(check_rules(&RuleSet::embedded_default()).is_ok());
+        for algorithm in ["token-bucket", "sliding-window"] {
+            let rules = RuleSet::from_ini(&format!(
+                "[route=a]\ncreditLimit = 1\nresetSeconds = 1\nalgorithm = {algorithm}\n[default]\ncreditLimit = 0\n"
+            ))
+            .unwrap();
+            let error = check_rules(&rules).unwrap_err().to_string();
+            assert!(error.contains("[route=a]"), "{error}");
+            assert!(error.contains(algorithm), "{error}");
+        }
+    }
+
+    #[test]
+    fn the_backend_target_comes_from_divvys_environment_or_a_url() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            redis: RedisArgs,
+        }
+        let args = Cli::parse_from(["t", "--redis-host", "10.0.0.7", "--redis-port", "6380"]).redis;
+        let info = args.backend_connection_info().unwrap();
+        assert_eq!(client::describe_target(&info), "10.0.0.7:6380");
+        let args = Cli::parse_from(["t", "--redis-url", "redis://:secret@db.example:6390/3"]).redis;
+        let info = args.backend_connection_info().unwrap();
+        assert_eq!(info.redis.password.as_deref(), Some("secret"));
+        assert_eq!(client::describe_target(&info), "db.example:6390/3");
+        let args = Cli::parse_from(["t", "--redis-port", "tcp://10.0.0.7:6379"]).redis;
+        assert!(matches!(
+            args.backend_connection_info(),
+            Err(RedisSetupError::BadPort(_))
+        ));
+        let args = Cli::parse_from(["t", "--redis-url", "http://nope"]).redis;
+        assert!(matches!(
+            args.backend_connection_info(),
+            Err(RedisSetupError::BadUrl(_))
+        ));
+        let args =
+            Cli::parse_from(["t", "--backend", "redis", "--persist-redis", "redis://x"]).redis;
+        assert!(matches!(
+            args.persist_config(),
+            Err(RedisSetupError::PersistWithRedisBackend)
+        ));
+    }
+}

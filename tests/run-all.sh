@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole test suite, as the README gives it: installs the pinned Node
+# clients the compatibility tests drive, then runs every test of the
+# workspace (unit, integration over real sockets, Redis, cluster, loadtest).
+# System packages (redis-server, node) are installed by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
+cargo test --workspace --all-targets
+
+# The soak in its short form, on the binaries the tests just built: a thousand
+# connections and up to a million actors for 15 s; no errors, steady
+# throughput, bounded memory (loadtest/soak.sh states the checks; its long
+# form is for operators, see docs/operations.md).
+SKIP_BUILD=1 TOLLGATE_BIN=target/debug/tollgate LOADTEST_BIN=target/debug/tollgate-loadtest \
+  SOAK_SECONDS="${SOAK_SECONDS:-15}" SOAK_CONNECTIONS="${SOAK_CONNECTIONS:-1000}" loadtest/soak.sh
+
+# Coverage-guided fuzzing, briefly, when cargo-fuzz is installed (.ci/run
+# installs it). Each target starts from a scratch copy of its seed corpus.
+if cargo fuzz --version >/dev/null 2>&1; then
+  fuzz_seconds="${FUZZ_SECONDS:-10}"
+  for target in $(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz list); do
+    scratch="$(mktemp -d)"
+    cp -r "fuzz/corpus/$target/." "$scratch/"
+    echo "fuzzing $target for ${fuzz_seconds}s"
+    (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" "$scratch" -- \
+      -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 -print_final_stats=0 2>&1 | tail -n 3)
+    rm -rf "$scratch"
+  done
+elif [ -n "${CI:-}" ]; then
+  echo "cargo-fuzz is not installed; .ci/run installs it" >&2
+  exit 1
+fi
