@@ -132,6 +132,18 @@ pub fn init_logging(format: LogFormat) {
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     init_logging(args.log_format);
+    if args.cluster.cluster_file.is_some() {
+        if args.redis.persist_redis.is_some() {
+            anyhow::bail!(
+                "--persist-redis cannot be used with --cluster: in cluster mode the counters are replicated by Raft, not persisted to Redis"
+            );
+        }
+        if args.redis.backend != BackendKind::Memory {
+            anyhow::bail!(
+                "--backend redis cannot be used with --cluster: the cluster keeps its counters in memory on each node"
+            );
+        }
+    }
     let rules = match &args.config {
         Some(path) => RuleSet::load_file(path).with_context(|| format!("{}", path.display()))?,
         None => RuleSet::embedded_default(),
@@ -166,18 +178,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let source = rules.source.clone();
     let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
     let persist_config = args.redis.persist_config()?;
-    if args.cluster.cluster_file.is_some() {
-        if args.redis.persist_redis.is_some() {
-            anyhow::bail!(
-                "--persist-redis cannot be used with --cluster: in cluster mode the counters are replicated by Raft, not persisted to Redis"
-            );
-        }
-        if args.redis.backend != BackendKind::Memory {
-            anyhow::bail!(
-                "--backend redis cannot be used with --cluster: the cluster keeps its counters in memory on each node"
-            );
-        }
-    }
     let cluster = crate::cluster::start(
         &args.cluster,
         &rules,

@@ -108,6 +108,8 @@ mod tests {
     use super::*;
     use crate::cluster::storage::{CounterBatch, ReplicatedCounter, TollgateRaft};
     use crate::cluster::wire::{PeerRequest, PeerResponse, WireDecision, WireOp};
+    use crate::limiter::{CounterState, FullAt, Refill};
+    use crate::rules::Algorithm;
     use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse};
     use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Vote};
 
@@ -127,12 +129,29 @@ mod tests {
 
     #[tokio::test]
     async fn peer_messages_roundtrip() {
-        let ops = vec![WireOp {
-            key: b"\x01\x02actor".to_vec(),
-            credit_limit: 10,
-            reset_seconds: 60,
-            peek: false,
-        }];
+        let ops = vec![
+            WireOp {
+                key: b"\x01\x02actor".to_vec(),
+                algorithm: Algorithm::FixedWindow,
+                credit_limit: 10,
+                reset_seconds: 60,
+                peek: false,
+            },
+            WireOp {
+                key: b"\x01\x03actor".to_vec(),
+                algorithm: Algorithm::TokenBucket,
+                credit_limit: 5,
+                reset_seconds: 1,
+                peek: true,
+            },
+            WireOp {
+                key: b"\x01\x04actor".to_vec(),
+                algorithm: Algorithm::SlidingWindow,
+                credit_limit: 100,
+                reset_seconds: 3600,
+                peek: false,
+            },
+        ];
         match roundtrip(&PeerRequest::Hits(ops.clone())).await {
             PeerRequest::Hits(back) => assert_eq!(back, ops),
             other => panic!("{other:?}"),
@@ -142,11 +161,33 @@ mod tests {
             log_id,
             payload: EntryPayload::Normal(CounterBatch {
                 stamped_ms: 1_700_000_000_000,
-                counters: vec![ReplicatedCounter {
-                    key: b"k".to_vec(),
-                    end_ms: 1_700_000_060_000,
-                    used: 5,
-                }],
+                counters: vec![
+                    ReplicatedCounter {
+                        key: b"k".to_vec(),
+                        state: CounterState::Window {
+                            end_ms: 1_700_000_060_000,
+                            used: 5,
+                        },
+                    },
+                    ReplicatedCounter {
+                        key: b"t".to_vec(),
+                        state: CounterState::TokenBucket {
+                            full_at: FullAt::from_shortfall(
+                                Refill::new(10, 1000).unwrap(),
+                                1_700_000_000_000,
+                                3,
+                            ),
+                        },
+                    },
+                    ReplicatedCounter {
+                        key: b"s".to_vec(),
+                        state: CounterState::SlidingWindow {
+                            expires_at_ms: 1_700_000_120_000,
+                            current: 4,
+                            previous: 9,
+                        },
+                    },
+                ],
             }),
         };
         let rpc = AppendEntriesRequest::<TollgateRaft> {

@@ -21,7 +21,8 @@ use super::storage::{CounterBatch, LogStore, ReplicatedCounter, ShardStateMachin
 use super::wire::{ShardReport, WireDecision, WireOp};
 use super::{Consistency, LeaderTable, NodeId};
 use crate::clock::Clock;
-use crate::limiter::{fixed_window_hit, CounterState, WindowQuota};
+use crate::limiter::{CounterState, WindowQuota};
+use crate::store::algorithm_hit;
 use crate::store::MemoryStore;
 use openraft::raft::VoteRequest;
 use openraft::{LogId, Raft, ServerState};
@@ -422,11 +423,11 @@ impl Worker {
         };
         if op.peek {
             let state = self.store.get(&op.key, now_ms);
-            return fixed_window_hit(state, quota, now_ms).0.into();
+            return algorithm_hit(op.algorithm, state, quota, now_ms).0.into();
         }
         let mut stored = None;
         let result = self.store.update(&op.key, now_ms, |state| {
-            let (decision, new_state) = fixed_window_hit(state, quota, now_ms);
+            let (decision, new_state) = algorithm_hit(op.algorithm, state, quota, now_ms);
             stored = new_state;
             (decision, new_state)
         });

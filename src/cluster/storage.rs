@@ -1,7 +1,7 @@
 //! Raft storage of one shard group, in memory: the log store (entries, vote,
 //! committed id) and the state machine (the shard's counters). What the log
 //! carries is counter *state*, never commands: each entry is a batch of
-//! `(key, window end, used)` stamped with the leader's clock, applied with
+//! `(key, CounterState)` stamped with the leader's clock, applied with
 //! [`CounterState::merge`], which is idempotent and commutative, so applying
 //! an entry twice, or a snapshot over newer entries, never double-counts.
 //!
@@ -37,21 +37,17 @@ use std::sync::Arc;
 pub struct ReplicatedCounter {
     /// The cluster key: stable counter id (8 bytes LE) + actor.
     pub key: Vec<u8>,
-    pub end_ms: u64,
-    pub used: u64,
+    /// The state as the store keeps it, whatever the rule's algorithm.
+    pub state: CounterState,
 }
 
 impl ReplicatedCounter {
     pub fn new(key: Vec<u8>, state: CounterState) -> ReplicatedCounter {
-        let CounterState::Window { end_ms, used } = state;
-        ReplicatedCounter { key, end_ms, used }
+        ReplicatedCounter { key, state }
     }
 
     pub fn state(&self) -> CounterState {
-        CounterState::Window {
-            end_ms: self.end_ms,
-            used: self.used,
-        }
+        self.state
     }
 }
 
@@ -448,7 +444,7 @@ mod tests {
             assert!(content
                 .counters
                 .iter()
-                .all(|c| placement.shard_of(&c.key) == 1 && c.end_ms > now));
+                .all(|c| placement.shard_of(&c.key) == 1 && c.state.expires_at_ms() > now));
 
             let fresh = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
             let mut replica =

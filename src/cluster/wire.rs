@@ -8,6 +8,7 @@
 use super::storage::TollgateRaft;
 use super::NodeId;
 use crate::limiter::Decision;
+use crate::rules::Algorithm;
 use openraft::error::{InstallSnapshotError, RaftError};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
@@ -22,6 +23,8 @@ use serde::{Deserialize, Serialize};
 pub struct WireOp {
     /// The cluster key: stable counter id (8 bytes LE) + actor.
     pub key: Vec<u8>,
+    /// The rule's algorithm: the leader decides with it.
+    pub algorithm: Algorithm,
     pub credit_limit: u64,
     pub reset_seconds: u64,
     /// Answer without counting (`PEEK`).
