@@ -7,8 +7,8 @@ mod cluster_support;
 use cluster_support::*;
 use std::time::Duration;
 
-/// A transcript touching several rules (canary included), actors and
-/// limits, including denials.
+/// A transcript touching several rules (canary included), the three
+/// algorithms, actors and limits, including denials.
 fn transcript() -> Vec<String> {
     let mut lines = Vec::new();
     for round in 0..8 {
@@ -21,6 +21,14 @@ fn transcript() -> Vec<String> {
         }
         lines.push("PEEK path=/limited user=ann".to_string());
         lines.push("HIT path=/big user=ann".to_string());
+        // Token bucket and sliding window, decided by the shard's leader
+        // with the rule's algorithm; denials from round 4 on.
+        for user in ["ann", "bob"] {
+            lines.push(format!("HIT path=/bucket user={user}"));
+            lines.push(format!("HIT path=/sliding user={user}"));
+        }
+        lines.push("PEEK path=/bucket user=ann".to_string());
+        lines.push("PEEK path=/sliding user=bob".to_string());
     }
     lines
 }
@@ -217,4 +225,44 @@ fn the_cluster_client_goes_straight_to_each_shards_leader() {
         // The default rule (5 per minute per ip) has a counter too.
         assert!(client.shard_of(&[("ip", "1.2.3.4")]).is_some());
     });
+}
+
+#[test]
+fn a_reload_with_rules_other_than_the_clusters_is_refused() {
+    let cluster = TestCluster::start(3, 4, &[]);
+    let other = RULES.replace("creditLimit = 200", "creditLimit = 7");
+    std::fs::write(&cluster.rules_path, other).unwrap();
+    let pid = cluster.nodes[0].pid().expect("node 1 runs");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = cluster.log(1);
+        if log.contains("reload refused") {
+            assert!(
+                log.contains("differ from the rules the cluster runs with"),
+                "{log}"
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no refusal: {log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Node 1 still serves the cluster's rules (limit 200, not 7).
+    let answers = converse(
+        cluster.client(1),
+        &(0..8)
+            .map(|_| "HIT path=/limited user=reload".to_string())
+            .collect::<Vec<_>>(),
+    );
+    for answer in &answers {
+        assert_eq!(
+            parse_ok(answer).map(|(allowed, _, _)| allowed),
+            Some(true),
+            "{answers:?}"
+        );
+    }
 }

@@ -31,6 +31,18 @@ creditLimit = 1000000
 resetSeconds = 600
 actorField = user
 
+[path=/bucket]
+creditLimit = 4
+resetSeconds = 3600
+actorField = user
+algorithm = token-bucket
+
+[path=/sliding]
+creditLimit = 4
+resetSeconds = 3600
+actorField = user
+algorithm = sliding-window
+
 [default]
 creditLimit = 5
 resetSeconds = 60
@@ -54,6 +66,13 @@ pub struct Node {
     pub peer: SocketAddr,
     child: Option<Child>,
     restarts: usize,
+}
+
+impl Node {
+    /// The process id of the running node.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
 }
 
 pub struct TestCluster {
