@@ -105,11 +105,15 @@ pub struct ServeArgs {
 
     #[command(flatten)]
     pub redis: RedisArgs,
+
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 pub fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=error"));
     if std::env::var("DEBUG").is_ok_and(|v| v.split(',').any(|s| s.trim() == "divvy")) {
         if let Ok(directive) = "divvy=debug".parse() {
             filter = filter.add_directive(directive);
@@ -128,13 +132,22 @@ pub fn init_logging(format: LogFormat) {
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     init_logging(args.log_format);
+    if args.cluster.cluster_file.is_some() {
+        if args.redis.persist_redis.is_some() {
+            anyhow::bail!(
+                "--persist-redis cannot be used with --cluster: in cluster mode the counters are replicated by Raft, not persisted to Redis"
+            );
+        }
+        if args.redis.backend != BackendKind::Memory {
+            anyhow::bail!(
+                "--backend redis cannot be used with --cluster: the cluster keeps its counters in memory on each node"
+            );
+        }
+    }
     let rules = match &args.config {
         Some(path) => RuleSet::load_file(path).with_context(|| format!("{}", path.display()))?,
         None => RuleSet::embedded_default(),
     };
-    let listen = args
-        .listen
-        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], args.port)));
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -165,24 +178,42 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let source = rules.source.clone();
     let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
     let persist_config = args.redis.persist_config()?;
-    let backend: Arc<dyn Backend> = match args.redis.backend {
-        BackendKind::Memory => Arc::new(MemoryBackend {
+    let cluster = crate::cluster::start(
+        &args.cluster,
+        &rules,
+        Arc::clone(&store),
+        Arc::clone(&clock),
+    )
+    .context("cannot join the cluster")?;
+    let backend: Arc<dyn Backend> = match (&cluster, args.redis.backend) {
+        (Some(cluster), _) => cluster.backend(),
+        (None, BackendKind::Memory) => Arc::new(MemoryBackend {
             store: Arc::clone(&store),
         }),
-        BackendKind::Redis => Arc::new(RedisBackend::start(
+        (None, BackendKind::Redis) => Arc::new(RedisBackend::start(
             &args.redis,
             &rules,
             Arc::clone(&metrics),
         )?),
     };
-    let backend_name = backend.name();
-    let engine = Engine::new(
+    let listen = args
+        .listen
+        .or(cluster.as_ref().map(|c| c.client_addr()))
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], args.port)));
+    let backend_name = match &cluster {
+        Some(cluster) => cluster.describe(),
+        None => backend.name().to_string(),
+    };
+    let mut engine = Engine::new(
         rules,
         backend,
         Arc::clone(&clock),
         metrics,
         args.unavailable_policy,
     );
+    if let Some(cluster) = &cluster {
+        engine = engine.with_extension(cluster.topology_command());
+    }
     let droplet_lines = crate::droplet::LineCommands::new(Arc::clone(&buckets));
     let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
     // Loads the persisted counters before serving.

@@ -10,6 +10,7 @@
 pub mod app;
 pub mod client;
 pub mod clock;
+pub mod cluster;
 pub mod droplet;
 pub mod engine;
 pub mod limiter;

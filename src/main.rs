@@ -36,6 +36,15 @@ enum Command {
         #[arg(long)]
         pid: Option<i32>,
     },
+    /// Cluster tools (`tollgate cluster status`).
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// Show nodes, shards, leaders and replication lag, asking any node.
+    Status(tollgate::cluster::StatusArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +71,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args),
         Command::CheckConfig { file } => check_config(&file),
+        Command::Cluster(ClusterCommand::Status(args)) => {
+            tollgate::cluster::status::status_command(&args)
+        }
         Command::Reload { pid_file, pid } => reload(pid_file.as_deref(), pid),
     };
     match result {

@@ -225,3 +225,33 @@ fn a_second_server_on_the_same_port_is_refused() {
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(stderr.contains("already in use"), "{stderr}");
 }
+
+#[test]
+fn cluster_mode_refuses_redis_persistence_and_the_redis_backend() {
+    let (_dir, path) = write_temp(
+        "cluster.ini",
+        "[cluster]\nshards = 4\nreplicas = 3\n[node 1]\nclient = 127.0.0.1:1\npeer = 127.0.0.1:2\n",
+    );
+    for (flags, expected) in [
+        (
+            ["--persist-redis", "redis://127.0.0.1:1"],
+            "--persist-redis cannot be used with --cluster",
+        ),
+        (
+            ["--backend", "redis"],
+            "--backend redis cannot be used with --cluster",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .arg("serve")
+            .arg("--cluster")
+            .arg(&path)
+            .args(["--node-id", "1"])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{out:?}");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(stderr.contains(expected), "{stderr}");
+    }
+}

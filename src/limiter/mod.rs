@@ -58,8 +58,8 @@ pub fn round_ms_to_seconds(ms_left: u64) -> i64 {
 
 /// A counter's state as the store keeps it: one variant per rule algorithm.
 /// A rule's counter identity includes its algorithm, so one key only ever
-/// holds one variant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// holds one variant. Serializable: the cluster replicates it as is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CounterState {
     /// Fixed window (divvy): the window closes at `end_ms`; `used` hits were
     /// admitted in it.

@@ -87,7 +87,19 @@ fn div_ceil(a: i128, b: i128) -> i128 {
 ///
 /// Ordered by time, so the later of two copies is the emptier one (what a
 /// replicated merge keeps).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct FullAt {
     ms: u64,
     remainder: u64,

@@ -33,7 +33,9 @@ pub enum MatchPolicy {
 /// The counting algorithm of a rule (`algorithm = …` in a rule file). Divvy
 /// knows only the fixed window, the default; docs/configuration.md (Algorithms) shows how each
 /// admits a burst and what `currentCredit` and `nextResetSeconds` mean.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 pub enum Algorithm {
     /// divvy's window: opens at the first hit, admits `creditLimit`, closes
     /// `resetSeconds` later.

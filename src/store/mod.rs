@@ -39,6 +39,9 @@ pub enum BackendError {
     Unavailable(String),
     #[error("backend timed out after {0} ms")]
     Timeout(u64),
+    /// A cluster shard cannot decide now (`shard N unavailable: …`).
+    #[error("{0}")]
+    ShardUnavailable(String),
 }
 
 /// Decisions for a list of ops, in order.

@@ -1,0 +1,200 @@
+//! The cluster as a [`Backend`]: each counter op is keyed by its rule's
+//! stable counter id and actor, hashed to a shard, and sent to the shard's
+//! leader: this node's shard worker when it leads, else the leader's
+//! forwarder (batched over the persistent peer connection). Answers come
+//! back as one future, in op order. With no known leader, or when the leader
+//! does not answer within `forward_timeout_ms`, the op answers
+//! `shard N unavailable: …` at once: a hit never hangs.
+//!
+//! Also answers the `TOPOLOGY` command (see [`super::status`]).
+
+use super::node::ClusterNode;
+use super::placement::{counter_key, stable_counter_id};
+use super::wire::{WireDecision, WireOp};
+use crate::engine::{CommandExtension, Outcome, Reply};
+use crate::limiter::Decision;
+use crate::protocol::{Pairs, Verb};
+use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions, StoreFull};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+pub struct ClusterBackend {
+    pub node: Arc<ClusterNode>,
+}
+
+fn to_result(decision: WireDecision) -> Result<Decision, BackendError> {
+    match decision {
+        WireDecision::Decided {
+            allowed,
+            credit,
+            next_reset_seconds,
+        } => Ok(Decision {
+            allowed,
+            credit,
+            next_reset_seconds,
+        }),
+        WireDecision::Unavailable(why) => Err(BackendError::ShardUnavailable(why)),
+        WireDecision::Full { live_keys_max } => Err(BackendError::Full(StoreFull {
+            live_keys_max: usize::try_from(live_keys_max).unwrap_or(usize::MAX),
+        })),
+    }
+}
+
+/// The wire form of an op: self-contained, resolvable on any node.
+pub fn wire_op(op: &CounterOp<'_>) -> WireOp {
+    let counter_id = stable_counter_id(
+        &op.rule.canonical_operation,
+        op.quota.credit_limit(),
+        op.quota.period_ms(),
+        op.rule.algorithm.as_str(),
+    );
+    let mut key = Vec::with_capacity(8 + op.actor.len());
+    counter_key(&mut key, counter_id, op.actor);
+    WireOp {
+        key,
+        algorithm: op.rule.algorithm,
+        credit_limit: op.quota.credit_limit(),
+        reset_seconds: op.quota.period_ms() / 1000,
+        peek: op.peek,
+    }
+}
+
+type Waiting = (u32, Vec<usize>, oneshot::Receiver<Vec<WireDecision>>);
+
+impl Backend for ClusterBackend {
+    fn decide(&self, ops: &[CounterOp<'_>], _now_ms: u64) -> Decided {
+        let node = &self.node;
+        let mut results: Decisions = ops
+            .iter()
+            .map(|_| Err(BackendError::ShardUnavailable("not decided".into())))
+            .collect();
+        // Ops of one request going to the same shard travel together, in order.
+        let mut groups: Vec<(u32, Vec<usize>, Vec<WireOp>)> = Vec::new();
+        for (position, op) in ops.iter().enumerate() {
+            let op = wire_op(op);
+            let shard = node.placement.shard_of(&op.key);
+            match groups.iter_mut().find(|(s, _, _)| *s == shard) {
+                Some((_, positions, group)) => {
+                    positions.push(position);
+                    group.push(op);
+                }
+                None => groups.push((shard, vec![position], vec![op])),
+            }
+        }
+        let mut waiting: Vec<Waiting> = Vec::new();
+        for (shard, positions, group) in groups {
+            let submitted = match node.leaders.leader(shard) {
+                None => Err(WireDecision::Unavailable(format!(
+                    "shard {shard} unavailable: no leader (election in progress)"
+                ))),
+                Some(leader) if leader == node.id => node.submit_local(shard, group),
+                Some(leader) => node.submit_forward(leader, shard, group),
+            };
+            match submitted {
+                Ok(answer) => waiting.push((shard, positions, answer)),
+                Err(decision) => {
+                    for position in positions {
+                        results[position] = to_result(decision.clone());
+                    }
+                }
+            }
+        }
+        if waiting.is_empty() {
+            return Decided::Ready(results);
+        }
+        let timeout = Duration::from_millis(node.forward_timeout_ms);
+        let timeout_ms = node.forward_timeout_ms;
+        Decided::Later(Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + timeout;
+            for (shard, positions, answer) in waiting {
+                let decisions = match tokio::time::timeout_at(deadline, answer).await {
+                    Ok(Ok(decisions)) => decisions,
+                    Ok(Err(_)) => Vec::new(),
+                    Err(_) => vec![
+                        WireDecision::Unavailable(format!(
+                            "shard {shard} unavailable: no answer within {timeout_ms} ms"
+                        ));
+                        positions.len()
+                    ],
+                };
+                let mut decisions = decisions.into_iter();
+                for position in positions {
+                    results[position] = to_result(decisions.next().unwrap_or_else(|| {
+                        WireDecision::Unavailable(format!(
+                            "shard {shard} unavailable: the request was dropped"
+                        ))
+                    }));
+                }
+            }
+            results
+        }))
+    }
+
+    fn name(&self) -> &'static str {
+        "cluster"
+    }
+
+    /// Every node must serve the same rules (peers compare fingerprints when
+    /// they connect), so a reload that would change this node's rules alone
+    /// is refused. Coordinated reload is future work (docs/cluster.md).
+    fn check_rules(
+        &self,
+        rules: &crate::rules::RuleSet,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        check_rules_fingerprint(self.node.hello.rules_fingerprint, rules.fingerprint())
+    }
+}
+
+/// Refuses a rule set whose fingerprint is not the cluster's.
+pub fn check_rules_fingerprint(
+    cluster: u64,
+    reloaded: u64,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    if cluster == reloaded {
+        return Ok(());
+    }
+    Err(format!(
+        "cluster mode: the new rules (fingerprint {reloaded:016x}) differ from the rules the cluster runs with ({cluster:016x}); every node must serve identical rules and reloading them across the cluster is not supported yet: stop the nodes, change the rule file on every node, then start them again"
+    )
+    .into())
+}
+
+/// Answers `TOPOLOGY` with one JSON line (see [`super::status::Topology`]).
+pub struct TopologyCommand {
+    pub node: Arc<ClusterNode>,
+}
+
+impl CommandExtension for TopologyCommand {
+    fn execute(&self, verb: Verb, _pairs: &Pairs<'_>, _now_ms: u64) -> Option<Outcome> {
+        if verb != Verb::Topology {
+            return None;
+        }
+        let node = Arc::clone(&self.node);
+        Some(Outcome::Later(Box::pin(async move {
+            let topology = super::status::gather(&node).await;
+            match serde_json::to_string(&topology) {
+                Ok(line) => Reply::Line(line),
+                Err(error) => Reply::error(format!("cannot encode the topology: {error}")),
+            }
+        })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_rules_fingerprint;
+
+    #[test]
+    fn a_reload_must_keep_the_cluster_rules() {
+        assert!(check_rules_fingerprint(0xabc, 0xabc).is_ok());
+        let error = check_rules_fingerprint(0xabc, 0xdef)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("differ from the rules the cluster runs with"),
+            "{error}"
+        );
+        assert!(error.contains("not supported yet"), "{error}");
+    }
+}

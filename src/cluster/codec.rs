@@ -1,0 +1,245 @@
+//! The peer protocol's bytes, and the only place that names bincode: a frame
+//! is `u32 LE length` (of what follows), `u64 LE request id`, then the
+//! message in bincode's standard configuration (varint integers). Snapshots
+//! use the same encoding. Frames are bounded by [`FRAME_BYTES_MAX`], checked
+//! before anything is allocated.
+
+use super::storage::SnapshotContent;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+/// Largest frame accepted, in bytes (snapshot chunks are 3 MiB by default).
+pub const FRAME_BYTES_MAX: usize = 64 * 1024 * 1024;
+
+/// Bytes of a frame header: length and request id.
+const HEADER_BYTES: usize = 12;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("cannot encode a peer message: {0}")]
+    Encode(String),
+    #[error("cannot decode a peer message: {0}")]
+    Decode(String),
+    #[error("peer frame of {0} bytes exceeds the limit of {FRAME_BYTES_MAX} bytes")]
+    TooLarge(usize),
+    #[error("peer connection: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn config() -> bincode::config::Configuration {
+    bincode::config::standard()
+}
+
+/// Appends one frame carrying `message` under `request_id` to `out`.
+pub fn encode_frame<T: Serialize>(
+    out: &mut Vec<u8>,
+    request_id: u64,
+    message: &T,
+) -> Result<(), CodecError> {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; HEADER_BYTES]);
+    let written = bincode::serde::encode_into_std_write(message, out, config())
+        .map_err(|error| CodecError::Encode(error.to_string()));
+    let length = out.len() - start - 4;
+    match written {
+        Ok(_) if length <= FRAME_BYTES_MAX => {}
+        Ok(_) => {
+            out.truncate(start);
+            return Err(CodecError::TooLarge(length));
+        }
+        Err(error) => {
+            out.truncate(start);
+            return Err(error);
+        }
+    }
+    out[start..start + 4].copy_from_slice(&(length as u32).to_le_bytes());
+    out[start + 4..start + HEADER_BYTES].copy_from_slice(&request_id.to_le_bytes());
+    Ok(())
+}
+
+/// Reads one frame: its request id and message. `buf` is reused between calls.
+pub async fn read_frame<T: DeserializeOwned>(
+    reader: &mut (impl AsyncRead + Unpin),
+    buf: &mut Vec<u8>,
+) -> Result<(u64, T), CodecError> {
+    let mut header = [0u8; HEADER_BYTES];
+    reader.read_exact(&mut header).await?;
+    let length = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+    if length > FRAME_BYTES_MAX {
+        return Err(CodecError::TooLarge(length));
+    }
+    if length < 8 {
+        return Err(CodecError::Decode(format!(
+            "frame of {length} bytes is too short"
+        )));
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&header[4..]);
+    buf.clear();
+    buf.resize(length - 8, 0);
+    reader.read_exact(buf).await?;
+    Ok((u64::from_le_bytes(id), decode(buf)?))
+}
+
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
+        .map_err(|error| CodecError::Decode(error.to_string()))?;
+    if used != bytes.len() {
+        return Err(CodecError::Decode(format!(
+            "{} trailing bytes after the message",
+            bytes.len() - used
+        )));
+    }
+    Ok(value)
+}
+
+pub fn encode_snapshot(content: &SnapshotContent) -> Result<Vec<u8>, CodecError> {
+    bincode::serde::encode_to_vec(content, config())
+        .map_err(|error| CodecError::Encode(error.to_string()))
+}
+
+pub fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotContent, CodecError> {
+    decode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::storage::{CounterBatch, ReplicatedCounter, TollgateRaft};
+    use crate::cluster::wire::{PeerRequest, PeerResponse, WireDecision, WireOp};
+    use crate::limiter::{CounterState, FullAt, Refill};
+    use crate::rules::Algorithm;
+    use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse};
+    use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Vote};
+
+    async fn roundtrip<T: Serialize + DeserializeOwned>(message: &T) -> T {
+        let mut bytes = Vec::new();
+        encode_frame(&mut bytes, 7, message).unwrap();
+        encode_frame(&mut bytes, 8, message).unwrap();
+        let mut reader = &bytes[..];
+        let mut buf = Vec::new();
+        let (id, _first): (u64, T) = read_frame(&mut reader, &mut buf).await.unwrap();
+        assert_eq!(id, 7);
+        let (id, second) = read_frame(&mut reader, &mut buf).await.unwrap();
+        assert_eq!(id, 8);
+        assert!(reader.is_empty());
+        second
+    }
+
+    #[tokio::test]
+    async fn peer_messages_roundtrip() {
+        let ops = vec![
+            WireOp {
+                key: b"\x01\x02actor".to_vec(),
+                algorithm: Algorithm::FixedWindow,
+                credit_limit: 10,
+                reset_seconds: 60,
+                peek: false,
+            },
+            WireOp {
+                key: b"\x01\x03actor".to_vec(),
+                algorithm: Algorithm::TokenBucket,
+                credit_limit: 5,
+                reset_seconds: 1,
+                peek: true,
+            },
+            WireOp {
+                key: b"\x01\x04actor".to_vec(),
+                algorithm: Algorithm::SlidingWindow,
+                credit_limit: 100,
+                reset_seconds: 3600,
+                peek: false,
+            },
+        ];
+        match roundtrip(&PeerRequest::Hits(ops.clone())).await {
+            PeerRequest::Hits(back) => assert_eq!(back, ops),
+            other => panic!("{other:?}"),
+        }
+        let log_id = LogId::new(CommittedLeaderId::new(3, 1), 42);
+        let entry = Entry::<TollgateRaft> {
+            log_id,
+            payload: EntryPayload::Normal(CounterBatch {
+                stamped_ms: 1_700_000_000_000,
+                counters: vec![
+                    ReplicatedCounter {
+                        key: b"k".to_vec(),
+                        state: CounterState::Window {
+                            end_ms: 1_700_000_060_000,
+                            used: 5,
+                        },
+                    },
+                    ReplicatedCounter {
+                        key: b"t".to_vec(),
+                        state: CounterState::TokenBucket {
+                            full_at: FullAt::from_shortfall(
+                                Refill::new(10, 1000).unwrap(),
+                                1_700_000_000_000,
+                                3,
+                            ),
+                        },
+                    },
+                    ReplicatedCounter {
+                        key: b"s".to_vec(),
+                        state: CounterState::SlidingWindow {
+                            expires_at_ms: 1_700_000_120_000,
+                            current: 4,
+                            previous: 9,
+                        },
+                    },
+                ],
+            }),
+        };
+        let rpc = AppendEntriesRequest::<TollgateRaft> {
+            vote: Vote::new_committed(3, 1),
+            prev_log_id: Some(log_id),
+            leader_commit: Some(log_id),
+            entries: vec![entry.clone()],
+        };
+        match roundtrip(&PeerRequest::Append { shard: 5, rpc }).await {
+            PeerRequest::Append { shard, rpc } => {
+                assert_eq!(shard, 5);
+                assert_eq!(rpc.entries, vec![entry]);
+                assert_eq!(rpc.vote, Vote::new_committed(3, 1));
+            }
+            other => panic!("{other:?}"),
+        }
+        let response = PeerResponse::Append(Ok(AppendEntriesResponse::Success));
+        assert!(matches!(
+            roundtrip(&response).await,
+            PeerResponse::Append(Ok(AppendEntriesResponse::Success))
+        ));
+        let decisions = vec![
+            WireDecision::Decided {
+                allowed: true,
+                credit: -1,
+                next_reset_seconds: 60,
+            },
+            WireDecision::Unavailable("shard 3 unavailable: no leader".into()),
+        ];
+        match roundtrip(&PeerResponse::Hits(decisions.clone())).await {
+            PeerResponse::Hits(back) => assert_eq!(back, decisions),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn oversized_and_garbled_frames_are_errors_not_panics() {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&(u32::MAX).to_le_bytes());
+        bytes.extend_from_slice(&[0u8; 8]);
+        let mut buf = Vec::new();
+        let result: Result<(u64, PeerRequest), _> = read_frame(&mut &bytes[..], &mut buf).await;
+        assert!(matches!(result, Err(CodecError::TooLarge(_))));
+
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&12u32.to_le_bytes());
+        bytes.extend_from_slice(&[0u8; 8]);
+        bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff]);
+        let result: Result<(u64, PeerRequest), _> = read_frame(&mut &bytes[..], &mut buf).await;
+        assert!(matches!(result, Err(CodecError::Decode(_))), "{result:?}");
+
+        let result: Result<(u64, PeerRequest), _> = read_frame(&mut &bytes[..5], &mut buf).await;
+        assert!(matches!(result, Err(CodecError::Io(_))));
+    }
+}

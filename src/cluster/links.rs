@@ -1,0 +1,413 @@
+//! Outgoing peer connections: one persistent TCP connection per peer node,
+//! shared by every shard group's Raft RPCs and by forwarded hits. Calls are
+//! multiplexed by request id and written in batches (everything queued when
+//! the writer wakes goes out in one write), answers are matched by id in any
+//! order. A broken connection fails its calls at once (never a hang) and is
+//! re-established on the next call; after a failed connect, calls within
+//! [`RECONNECT_BACKOFF_MS`] fail immediately instead of hammering a dead peer.
+//!
+//! A call that times out keeps its slot until its answer arrives or the
+//! connection closes; the peer answers every request (its handlers are
+//! bounded by their own timeouts), so slots do not pile up. Calls in flight
+//! are bounded by their senders (64 forwarded batches per peer, one RPC per
+//! Raft replication stream).
+//!
+//! This module also adapts links to openraft's `RaftNetwork` for one shard.
+
+use super::codec;
+use super::storage::TollgateRaft;
+use super::wire::{Hello, NodeReport, PeerRequest, PeerResponse};
+use super::NodeId;
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+/// How long connecting (TCP plus the hello exchange) may take.
+pub const CONNECT_TIMEOUT_MS: u64 = 500;
+/// After a failed connect, calls fail at once for this long.
+pub const RECONNECT_BACKOFF_MS: u64 = 100;
+/// Shortest wait for a Raft RPC's answer. openraft asks for the heartbeat
+/// interval, which a busy follower can miss while the answer is on its way;
+/// treating that as a failure only resends the same entries.
+const RAFT_RPC_TIMEOUT_FLOOR_MS: u64 = 1_000;
+/// Bytes gathered into one write at most (a batch of queued calls).
+const WRITE_BATCH_BYTES_MAX: usize = 1024 * 1024;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LinkError {
+    #[error("node {0} unreachable: {1}")]
+    Unreachable(NodeId, String),
+    #[error("node {0} refused us: {1}")]
+    Refused(NodeId, String),
+    #[error("node {0} did not answer within {1} ms")]
+    Timeout(NodeId, u64),
+    #[error("connection to node {0} lost: {1}")]
+    Lost(NodeId, String),
+    #[error("cannot send to node {0}: {1}")]
+    Encode(NodeId, String),
+}
+
+type Reply = oneshot::Sender<Result<PeerResponse, LinkError>>;
+
+struct Call {
+    request: PeerRequest,
+    reply: Reply,
+}
+
+/// The connection to one peer, used from any thread or runtime.
+pub struct PeerLink {
+    pub target: NodeId,
+    pub addr: SocketAddr,
+    calls: mpsc::UnboundedSender<Call>,
+    /// The peer's answer to our last hello (what it knew when we connected).
+    last_hello: Mutex<Option<Result<NodeReport, String>>>,
+}
+
+impl PeerLink {
+    /// Creates the link and its task on `runtime`; nothing connects until the
+    /// first call.
+    pub fn spawn(
+        target: NodeId,
+        addr: SocketAddr,
+        hello: Hello,
+        runtime: &tokio::runtime::Handle,
+    ) -> Arc<PeerLink> {
+        let (calls, receiver) = mpsc::unbounded_channel();
+        let link = Arc::new(PeerLink {
+            target,
+            addr,
+            calls,
+            last_hello: Mutex::new(None),
+        });
+        runtime.spawn(run_link(
+            Arc::downgrade(&link),
+            target,
+            addr,
+            hello,
+            receiver,
+        ));
+        link
+    }
+
+    /// Sends a request and waits for its answer, at most `timeout_ms`.
+    pub async fn call(
+        &self,
+        request: PeerRequest,
+        timeout_ms: u64,
+    ) -> Result<PeerResponse, LinkError> {
+        let (reply, answer) = oneshot::channel();
+        if self.calls.send(Call { request, reply }).is_err() {
+            return Err(LinkError::Lost(self.target, "link closed".into()));
+        }
+        match tokio::time::timeout(Duration::from_millis(timeout_ms), answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(LinkError::Lost(self.target, "call dropped".into())),
+            Err(_) => Err(LinkError::Timeout(self.target, timeout_ms)),
+        }
+    }
+
+    /// The peer's answer to our last hello, if we connected at least once.
+    pub fn last_hello(&self) -> Option<Result<NodeReport, String>> {
+        self.last_hello.lock().clone()
+    }
+}
+
+fn fail_all(receiver: &mut mpsc::UnboundedReceiver<Call>, first: Option<Call>, error: &LinkError) {
+    if let Some(call) = first {
+        let _ = call.reply.send(Err(error.clone()));
+    }
+    while let Ok(call) = receiver.try_recv() {
+        let _ = call.reply.send(Err(error.clone()));
+    }
+}
+
+async fn run_link(
+    link: std::sync::Weak<PeerLink>,
+    target: NodeId,
+    addr: SocketAddr,
+    hello: Hello,
+    mut receiver: mpsc::UnboundedReceiver<Call>,
+) {
+    let mut last_failure: Option<(Instant, LinkError)> = None;
+    while let Some(first) = receiver.recv().await {
+        if let Some((at, error)) = &last_failure {
+            if at.elapsed() < Duration::from_millis(RECONNECT_BACKOFF_MS) {
+                fail_all(&mut receiver, Some(first), error);
+                continue;
+            }
+        }
+        let connected = tokio::time::timeout(
+            Duration::from_millis(CONNECT_TIMEOUT_MS),
+            connect(target, addr, &hello),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(LinkError::Unreachable(
+                target,
+                format!("no hello within {CONNECT_TIMEOUT_MS} ms"),
+            ))
+        });
+        if let Some(link) = link.upgrade() {
+            *link.last_hello.lock() = Some(match &connected {
+                Ok((_, report)) => Ok(report.clone()),
+                Err(error) => Err(error.to_string()),
+            });
+        }
+        match connected {
+            Err(error) => {
+                fail_all(&mut receiver, Some(first), &error);
+                last_failure = Some((Instant::now(), error));
+            }
+            Ok((stream, _report)) => {
+                last_failure = None;
+                serve_connection(target, stream, first, &mut receiver).await;
+            }
+        }
+    }
+}
+
+/// Connects and exchanges hellos; the peer refuses a mismatched hello.
+async fn connect(
+    target: NodeId,
+    addr: SocketAddr,
+    hello: &Hello,
+) -> Result<(TcpStream, NodeReport), LinkError> {
+    let mut stream = TcpStream::connect(addr)
+        .await
+        .map_err(|error| LinkError::Unreachable(target, error.to_string()))?;
+    let _ = stream.set_nodelay(true);
+    let mut out = Vec::new();
+    codec::encode_frame(&mut out, 0, &PeerRequest::Hello(hello.clone()))
+        .map_err(|error| LinkError::Encode(target, error.to_string()))?;
+    stream
+        .write_all(&out)
+        .await
+        .map_err(|error| LinkError::Unreachable(target, error.to_string()))?;
+    let mut buf = Vec::new();
+    let (_, response): (u64, PeerResponse) = codec::read_frame(&mut stream, &mut buf)
+        .await
+        .map_err(|error| LinkError::Unreachable(target, error.to_string()))?;
+    match response {
+        PeerResponse::Hello(report) => Ok((stream, report)),
+        PeerResponse::Refused(why) => Err(LinkError::Refused(target, why)),
+        other => Err(LinkError::Refused(
+            target,
+            format!("unexpected answer to hello: {other:?}"),
+        )),
+    }
+}
+
+type Pending = Arc<Mutex<HashMap<u64, Reply>>>;
+
+fn fail_pending(pending: &Pending, error: &LinkError) {
+    for (_, reply) in pending.lock().drain() {
+        let _ = reply.send(Err(error.clone()));
+    }
+}
+
+/// Runs one connection until it breaks: writes queued calls in batches, a
+/// reader task answers them by id.
+async fn serve_connection(
+    target: NodeId,
+    stream: TcpStream,
+    first: Call,
+    receiver: &mut mpsc::UnboundedReceiver<Call>,
+) {
+    let (mut read_half, mut write_half) = stream.into_split();
+    let pending: Pending = Arc::default();
+    let reader_pending = Arc::clone(&pending);
+    let mut reader = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        loop {
+            let (id, response) =
+                match codec::read_frame::<PeerResponse>(&mut read_half, &mut buf).await {
+                    Ok(frame) => frame,
+                    Err(error) => return error.to_string(),
+                };
+            let reply = reader_pending.lock().remove(&id);
+            if let Some(reply) = reply {
+                let _ = reply.send(Ok(response));
+            }
+        }
+    });
+    let mut next_id: u64 = 1;
+    let mut out = Vec::new();
+    let mut next_call = Some(first);
+    let lost = loop {
+        let call = match next_call.take() {
+            Some(call) => call,
+            None => tokio::select! {
+                call = receiver.recv() => match call {
+                    Some(call) => call,
+                    None => break "link closed".to_string(),
+                },
+                ended = &mut reader => break ended.unwrap_or_else(|e| e.to_string()),
+            },
+        };
+        out.clear();
+        let mut queue = |call: Call, out: &mut Vec<u8>| {
+            let id = next_id;
+            next_id += 1;
+            match codec::encode_frame(out, id, &call.request) {
+                Ok(()) => {
+                    pending.lock().insert(id, call.reply);
+                }
+                Err(error) => {
+                    let _ = call
+                        .reply
+                        .send(Err(LinkError::Encode(target, error.to_string())));
+                }
+            }
+        };
+        queue(call, &mut out);
+        while out.len() < WRITE_BATCH_BYTES_MAX {
+            match receiver.try_recv() {
+                Ok(call) => queue(call, &mut out),
+                Err(_) => break,
+            }
+        }
+        if let Err(error) = write_half.write_all(&out).await {
+            break error.to_string();
+        }
+    };
+    reader.abort();
+    fail_pending(&pending, &LinkError::Lost(target, lost));
+}
+
+/// All links of a node, by peer id.
+pub type Links = BTreeMap<NodeId, Arc<PeerLink>>;
+
+/// openraft's network factory for one shard group.
+pub struct ShardNetworkFactory {
+    pub shard: u32,
+    pub links: Arc<Links>,
+}
+
+impl RaftNetworkFactory<TollgateRaft> for ShardNetworkFactory {
+    type Network = ShardNetwork;
+
+    async fn new_client(&mut self, target: NodeId, _node: &BasicNode) -> ShardNetwork {
+        ShardNetwork {
+            shard: self.shard,
+            target,
+            link: self.links.get(&target).cloned(),
+        }
+    }
+}
+
+/// openraft's view of one peer, for one shard group.
+pub struct ShardNetwork {
+    shard: u32,
+    target: NodeId,
+    link: Option<Arc<PeerLink>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TransportError(String);
+
+impl ShardNetwork {
+    async fn call<E: std::error::Error>(
+        &self,
+        request: PeerRequest,
+        option: &RPCOption,
+    ) -> Result<PeerResponse, RPCError<NodeId, BasicNode, E>> {
+        let Some(link) = &self.link else {
+            return Err(RPCError::Unreachable(Unreachable::new(&TransportError(
+                format!("node {} is not in the cluster file", self.target),
+            ))));
+        };
+        let timeout_ms = (option.hard_ttl().as_millis() as u64).max(RAFT_RPC_TIMEOUT_FLOOR_MS);
+        match link.call(request, timeout_ms).await {
+            Ok(PeerResponse::Refused(why)) => Err(RPCError::Unreachable(Unreachable::new(
+                &TransportError(why),
+            ))),
+            Ok(response) => Ok(response),
+            Err(error @ (LinkError::Unreachable(..) | LinkError::Refused(..))) => Err(
+                RPCError::Unreachable(Unreachable::new(&TransportError(error.to_string()))),
+            ),
+            Err(error) => Err(RPCError::Network(NetworkError::new(&TransportError(
+                error.to_string(),
+            )))),
+        }
+    }
+
+    fn unexpected<E: std::error::Error>(response: PeerResponse) -> RPCError<NodeId, BasicNode, E> {
+        RPCError::Network(NetworkError::new(&TransportError(format!(
+            "unexpected answer: {response:?}"
+        ))))
+    }
+}
+
+impl RaftNetwork<TollgateRaft> for ShardNetwork {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TollgateRaft>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        let request = PeerRequest::Append {
+            shard: self.shard,
+            rpc,
+        };
+        match self.call(request, &option).await? {
+            PeerResponse::Append(Ok(response)) => Ok(response),
+            PeerResponse::Append(Err(error)) => {
+                Err(RPCError::RemoteError(RemoteError::new(self.target, error)))
+            }
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TollgateRaft>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        let request = PeerRequest::Snapshot {
+            shard: self.shard,
+            rpc,
+        };
+        match self.call(request, &option).await? {
+            PeerResponse::Snapshot(Ok(response)) => Ok(response),
+            PeerResponse::Snapshot(Err(error)) => {
+                Err(RPCError::RemoteError(RemoteError::new(self.target, error)))
+            }
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        let request = PeerRequest::Vote {
+            shard: self.shard,
+            rpc,
+        };
+        match self.call(request, &option).await? {
+            PeerResponse::Vote(Ok(response)) => Ok(response),
+            PeerResponse::Vote(Err(error)) => {
+                Err(RPCError::RemoteError(RemoteError::new(self.target, error)))
+            }
+            other => Err(Self::unexpected(other)),
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! Cluster mode: counters split into consistent-hashed shards, each shard a
+//! Raft group (openraft 0.9) replicated on `replicas` nodes, any node
+//! answering any hit. This module owns everything cluster-specific and is the
+//! only one that names openraft types; the rest of the server sees a
+//! [`Backend`](crate::store::Backend) and a `TOPOLOGY` command.
+//!
+//! Layout: [`config`] (the cluster file), [`placement`] (key → shard →
+//! replicas), [`storage`] (Raft log and state machine in memory),
+//! [`wire`] + [`codec`] (peer messages and their bytes), `links` (outgoing
+//! multiplexed peer connections, openraft's network), `shard` (a group's
+//! leader-side batching), `node` (membership, forwarding, the peer server),
+//! `backend` (the `Backend` and `TOPOLOGY`), [`status`] (topology, the
+//! `cluster status` command), [`client`] (a client that goes straight to
+//! leaders). See docs/cluster.md for the model and its
+//! guarantees.
+
+mod backend;
+pub mod client;
+pub mod codec;
+pub mod config;
+mod links;
+mod node;
+pub mod placement;
+mod shard;
+pub mod status;
+pub mod storage;
+pub mod wire;
+
+pub use client::ClusterClient;
+pub use config::ClusterFile;
+pub use status::{StatusArgs, Topology};
+
+use crate::clock::Clock;
+use crate::engine::CommandExtension;
+use crate::rules::RuleSet;
+use crate::store::{Backend, MemoryStore};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// A node's id, as the cluster file numbers it (≥ 1).
+pub type NodeId = u64;
+
+/// When a hit is answered (see docs/cluster.md for the exact guarantees).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Consistency {
+    /// After the shard's entry is committed by a majority of its replicas.
+    Strict,
+    /// At once from the leader's state; replicated in the background.
+    Fast,
+}
+
+impl Consistency {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Consistency::Strict => "strict",
+            Consistency::Fast => "fast",
+        }
+    }
+}
+
+/// Flags of `tollgate serve` for cluster mode.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// Run as a member of the cluster this file describes (INI: [cluster]
+    /// shards/replicas, [node N] client/peer addresses). See docs/cluster.md.
+    #[arg(long = "cluster", value_name = "FILE")]
+    pub cluster_file: Option<PathBuf>,
+
+    /// This node's id in the cluster file.
+    #[arg(long, requires = "cluster_file")]
+    pub node_id: Option<NodeId>,
+
+    /// strict: answer after a majority commit; fast: answer from the
+    /// leader's state and replicate in the background.
+    #[arg(long, value_enum, default_value_t = Consistency::Strict)]
+    pub consistency: Consistency,
+
+    /// Raft heartbeat interval, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub raft_heartbeat_ms: u64,
+
+    /// Raft election timeout, in milliseconds (the minimum; the maximum is
+    /// twice it). A follower that stops hearing its leader stands for
+    /// election after the leader lease (the maximum) plus a random timeout
+    /// between the two: 3 to 4 times this value, 0.9–1.2 s by default.
+    #[arg(long, default_value_t = 300)]
+    pub raft_election_timeout_ms: u64,
+
+    /// Fast mode: how often decided states are proposed, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub replication_interval_ms: u64,
+
+    /// How long a proposal may wait for its commit, in milliseconds: in
+    /// strict mode its hits then answer `unavailable`; in fast mode the
+    /// leader re-confirms its leadership before deciding more. Also bounds
+    /// a new leader's confirmation.
+    #[arg(long, default_value_t = 1_000)]
+    pub commit_timeout_ms: u64,
+
+    /// How long a hit may wait for its shard's leader, in milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    pub forward_timeout_ms: u64,
+
+    /// At startup, how long to wait for peers to answer, in milliseconds.
+    #[arg(long, default_value_t = 3_000)]
+    pub join_wait_ms: u64,
+
+    /// Threads of the runtime that runs every Raft group of this node.
+    #[arg(long, default_value_t = 2)]
+    pub raft_threads: usize,
+
+    /// Most hits decided in one batch (one Raft entry, one peer message).
+    #[arg(long, default_value_t = 4_096)]
+    pub batch_ops_max: usize,
+
+    /// Raft log entries between snapshots of a shard (a snapshot scans the
+    /// node's counters; the log keeps at most this many entries plus 100).
+    #[arg(long, default_value_t = 5_000)]
+    pub snapshot_every_entries: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error(transparent)]
+    File(#[from] config::ClusterFileError),
+    #[error("--cluster needs --node-id")]
+    NoNodeId,
+    #[error("invalid Raft settings: {0}")]
+    RaftConfig(String),
+    #[error("cannot start the Raft runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot listen for peers on {addr}: {source}")]
+    PeerListen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot start shard {shard}: {why}")]
+    Shard { shard: u32, why: String },
+    #[error("node {peer} refused this node: {why}")]
+    Refused { peer: NodeId, why: String },
+}
+
+/// Who leads each shard, as far as this node knows: written by the shard
+/// watchers (and by polling peers for shards not replicated here), read on
+/// every hit. 0 means no known leader.
+pub struct LeaderTable {
+    leader: Vec<AtomicU64>,
+    term: Vec<AtomicU64>,
+}
+
+impl LeaderTable {
+    pub fn new(shards: u32) -> LeaderTable {
+        LeaderTable {
+            leader: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+            term: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    pub fn leader(&self, shard: u32) -> Option<NodeId> {
+        let leader = self.leader.get(shard as usize)?.load(Ordering::Acquire);
+        (leader != 0).then_some(leader)
+    }
+
+    /// Sets a shard's leader as its own Raft group reports it.
+    pub fn set(&self, shard: u32, leader: Option<NodeId>, term: u64) {
+        if let (Some(slot), Some(term_slot)) = (
+            self.leader.get(shard as usize),
+            self.term.get(shard as usize),
+        ) {
+            term_slot.store(term, Ordering::Release);
+            slot.store(leader.unwrap_or(0), Ordering::Release);
+        }
+    }
+
+    /// Records a leader a peer claims, unless a newer term is known.
+    pub fn observe(&self, shard: u32, leader: NodeId, term: u64) {
+        if let Some(term_slot) = self.term.get(shard as usize) {
+            if term >= term_slot.load(Ordering::Acquire) {
+                self.set(shard, Some(leader), term);
+            }
+        }
+    }
+}
+
+/// A running cluster member: its Raft runtime and node.
+pub struct Cluster {
+    node: Arc<node::ClusterNode>,
+    client_addr: SocketAddr,
+    /// Runs every shard group, link and the peer server; dropped last.
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Cluster {
+    pub fn backend(&self) -> Arc<dyn Backend> {
+        Arc::new(backend::ClusterBackend {
+            node: Arc::clone(&self.node),
+        })
+    }
+
+    pub fn topology_command(&self) -> Arc<dyn CommandExtension> {
+        Arc::new(backend::TopologyCommand {
+            node: Arc::clone(&self.node),
+        })
+    }
+
+    /// This node's client address from the cluster file.
+    pub fn client_addr(&self) -> SocketAddr {
+        self.client_addr
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.node.id
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "cluster node {} of {}, {} shards x {} replicas ({} here), consistency {}",
+            self.node.id,
+            self.node.file.nodes.len(),
+            self.node.placement.shards(),
+            self.node.placement.replicas(),
+            self.node.groups.len(),
+            self.node.hello.consistency
+        )
+    }
+}
+
+fn raft_config(args: &ClusterArgs) -> Result<Arc<openraft::Config>, ClusterError> {
+    let election_ms = args.raft_election_timeout_ms.max(2);
+    let config = openraft::Config {
+        cluster_name: "tollgate".into(),
+        heartbeat_interval: args.raft_heartbeat_ms.max(1),
+        election_timeout_min: election_ms,
+        election_timeout_max: election_ms * 2,
+        install_snapshot_timeout: 2_000,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
+            args.snapshot_every_entries.max(1),
+        ),
+        // Entries kept after a snapshot, for followers slightly behind;
+        // one further behind catches up from the snapshot.
+        max_in_snapshot_log_to_keep: (args.snapshot_every_entries / 2).clamp(1, 100),
+        purge_batch_size: 64,
+        // Elections start once the node has joined (see node.rs).
+        enable_elect: false,
+        ..Default::default()
+    };
+    config
+        .validate()
+        .map(Arc::new)
+        .map_err(|error| ClusterError::RaftConfig(error.to_string()))
+}
+
+/// Starts this node's part of the cluster when `--cluster` is given:
+/// links to peers, one Raft group per shard it replicates, the peer server,
+/// then joins. Returns `None` without `--cluster`.
+pub fn start(
+    args: &ClusterArgs,
+    rules: &RuleSet,
+    store: Arc<MemoryStore>,
+    clock: Arc<dyn Clock>,
+) -> Result<Option<Cluster>, ClusterError> {
+    let Some(path) = &args.cluster_file else {
+        return Ok(None);
+    };
+    let file = ClusterFile::load(path)?;
+    let id = args.node_id.ok_or(ClusterError::NoNodeId)?;
+    let me = file
+        .nodes
+        .get(&id)
+        .cloned()
+        .ok_or(config::ClusterFileError::UnknownSelf(id))?;
+    let placement = file.placement();
+    let raft_config = raft_config(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.raft_threads.max(1))
+        .thread_name("tollgate-raft")
+        .enable_all()
+        .build()
+        .map_err(ClusterError::Runtime)?;
+    let hello = wire::Hello {
+        node_id: id,
+        rules_fingerprint: rules.fingerprint(),
+        cluster_fingerprint: file.fingerprint(),
+        consistency: args.consistency.as_str().to_string(),
+    };
+    let links: Arc<links::Links> = Arc::new(
+        file.nodes
+            .iter()
+            .filter(|(&peer, _)| peer != id)
+            .map(|(&peer, addresses)| {
+                (
+                    peer,
+                    links::PeerLink::spawn(peer, addresses.peer, hello.clone(), runtime.handle()),
+                )
+            })
+            .collect(),
+    );
+    let leaders = Arc::new(LeaderTable::new(placement.shards()));
+    let settings = shard::WorkerSettings {
+        node_id: id,
+        consistency: args.consistency,
+        commit_timeout_ms: args.commit_timeout_ms.max(1),
+        replication_interval_ms: args.replication_interval_ms.max(1),
+        batch_ops_max: args.batch_ops_max.max(1),
+    };
+    let node = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(me.peer)
+            .await
+            .map_err(|source| ClusterError::PeerListen {
+                addr: me.peer,
+                source,
+            })?;
+        let mut groups = BTreeMap::new();
+        for shard in placement.shards_of_node(id) {
+            let state_machine = storage::ShardStateMachine::new(
+                shard,
+                placement.clone(),
+                Arc::clone(&store),
+                Arc::clone(&clock),
+            );
+            let network = links::ShardNetworkFactory {
+                shard,
+                links: Arc::clone(&links),
+            };
+            let group = shard::ShardGroup::start(
+                shard,
+                Arc::clone(&raft_config),
+                network,
+                state_machine,
+                Arc::clone(&store),
+                Arc::clone(&clock),
+                settings.clone(),
+                Arc::clone(&leaders),
+            )
+            .await
+            .map_err(|error| ClusterError::Shard {
+                shard,
+                why: error.to_string(),
+            })?;
+            groups.insert(shard, group);
+        }
+        let node = Arc::new(node::ClusterNode::new(
+            id,
+            file,
+            hello,
+            groups,
+            links,
+            leaders,
+            store,
+            args.forward_timeout_ms.max(1),
+            args.batch_ops_max.max(1),
+        ));
+        tokio::spawn(node::serve_peers(listener, Arc::clone(&node)));
+        node.join(args.join_wait_ms, args.raft_election_timeout_ms)
+            .await?;
+        tokio::spawn(Arc::clone(&node).poll_remote_leaders());
+        Ok::<_, ClusterError>(node)
+    })?;
+    Ok(Some(Cluster {
+        node,
+        client_addr: me.client,
+        _runtime: runtime,
+    }))
+}

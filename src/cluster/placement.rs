@@ -1,0 +1,274 @@
+//! Placement: which shard a counter belongs to and which nodes replicate each
+//! shard. Every node must compute the same answers, so the hashes here are
+//! fixed (FNV-1a folded through a splitmix64 finalizer, with a distinct seed
+//! per purpose), never the process-seeded hashers used for in-memory tables.
+//!
+//! A counter's key hashes to one of a fixed number of shards. Each shard's
+//! replicas are chosen by rendezvous (highest-random-weight) hashing: every
+//! node gets a score per shard and the `replicas` best-scoring nodes replicate
+//! it. Adding or removing a node only changes the shards whose top scores it
+//! enters or leaves, which is the consistent-hashing property. The shard hash,
+//! the node scores and the memory store's stripe hash (ahash, in
+//! `store::memory`) use independent seeds, so their distributions do not
+//! correlate.
+
+use super::NodeId;
+
+/// Seed of the key → shard hash.
+const SHARD_SEED: u64 = 0x5348_4152_445f_7631; // "SHARD_v1"
+/// Seed of the (shard, node) → score hash.
+const NODE_SEED: u64 = 0x4e4f_4445_5f5f_7631; // "NODE__v1"
+/// Seed of a rule's stable counter id.
+const COUNTER_SEED: u64 = 0x434f_554e_5445_5231; // "COUNTER1"
+
+/// A fixed 64-bit hash of `bytes` under `seed`, the same in every process.
+pub fn stable_hash(seed: u64, bytes: &[u8]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325 ^ seed;
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    splitmix64(hash)
+}
+
+/// The splitmix64 finalizer: spreads every input bit over every output bit.
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A rule's counter id that every node computes alike (the rule's
+/// process-local `counter_identity` is not): the canonical operation, limit,
+/// period and algorithm, which is what identifies a rule's counters (SPEC §4).
+pub fn stable_counter_id(
+    canonical_operation: &str,
+    credit_limit: u64,
+    period_ms: u64,
+    algorithm: &str,
+) -> u64 {
+    let mut bytes = Vec::with_capacity(canonical_operation.len() + 32);
+    bytes.extend_from_slice(canonical_operation.as_bytes());
+    bytes.push(0);
+    bytes.extend_from_slice(&credit_limit.to_le_bytes());
+    bytes.extend_from_slice(&period_ms.to_le_bytes());
+    bytes.extend_from_slice(algorithm.as_bytes());
+    stable_hash(COUNTER_SEED, &bytes)
+}
+
+/// Writes a counter's cluster key: the stable counter id (8 bytes, little
+/// endian), then the actor's bytes.
+pub fn counter_key(buf: &mut Vec<u8>, counter_id: u64, actor: &str) {
+    buf.clear();
+    buf.extend_from_slice(&counter_id.to_le_bytes());
+    buf.extend_from_slice(actor.as_bytes());
+}
+
+/// The shard map of one cluster: shard count, replication factor, members.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    shards: u32,
+    replicas: usize,
+    /// Member node ids, sorted.
+    nodes: Vec<NodeId>,
+}
+
+impl Placement {
+    /// `shards` ≥ 1; `replicas` is capped at the number of nodes.
+    pub fn new(shards: u32, replicas: usize, mut nodes: Vec<NodeId>) -> Placement {
+        nodes.sort_unstable();
+        nodes.dedup();
+        Placement {
+            shards: shards.max(1),
+            replicas: replicas.clamp(1, nodes.len().max(1)),
+            nodes,
+        }
+    }
+
+    pub fn shards(&self) -> u32 {
+        self.shards
+    }
+
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    pub fn nodes(&self) -> &[NodeId] {
+        &self.nodes
+    }
+
+    /// The shard of a counter key.
+    pub fn shard_of(&self, key: &[u8]) -> u32 {
+        // Multiply-shift on the high bits: unbiased for any shard count.
+        ((u128::from(stable_hash(SHARD_SEED, key)) * u128::from(self.shards)) >> 64) as u32
+    }
+
+    fn score(shard: u32, node: NodeId) -> u64 {
+        let mut bytes = [0u8; 12];
+        bytes[..4].copy_from_slice(&shard.to_le_bytes());
+        bytes[4..].copy_from_slice(&node.to_le_bytes());
+        stable_hash(NODE_SEED, &bytes)
+    }
+
+    /// The nodes replicating `shard`, best score first (ties by id).
+    pub fn replicas_of(&self, shard: u32) -> Vec<NodeId> {
+        let mut scored: Vec<(u64, NodeId)> = self
+            .nodes
+            .iter()
+            .map(|&node| (Self::score(shard, node), node))
+            .collect();
+        scored.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        scored
+            .into_iter()
+            .take(self.replicas)
+            .map(|(_, node)| node)
+            .collect()
+    }
+
+    /// The shards `node` replicates.
+    pub fn shards_of_node(&self, node: NodeId) -> Vec<u32> {
+        (0..self.shards)
+            .filter(|&shard| self.replicas_of(shard).contains(&node))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn hashes_are_fixed_across_processes() {
+        // Changing these values reshuffles every cluster's counters: only do
+        // it together with a cluster-format version bump.
+        assert_eq!(stable_hash(0, b""), splitmix64(0xcbf2_9ce4_8422_2325));
+        assert_eq!(stable_hash(1, b"abc"), stable_hash(1, b"abc"));
+        assert_ne!(stable_hash(1, b"abc"), stable_hash(2, b"abc"));
+        let placement = Placement::new(64, 3, vec![1, 2, 3, 4, 5]);
+        let again = Placement::new(64, 3, vec![5, 4, 3, 2, 1]);
+        for shard in 0..64 {
+            assert_eq!(placement.replicas_of(shard), again.replicas_of(shard));
+        }
+    }
+
+    #[test]
+    fn keys_spread_evenly_over_shards() {
+        let placement = Placement::new(64, 3, vec![1, 2, 3]);
+        let mut counts = vec![0u32; 64];
+        let mut key = Vec::new();
+        for actor in 0..64_000 {
+            counter_key(
+                &mut key,
+                42,
+                &format!("10.0.{}.{}", actor / 256, actor % 256),
+            );
+            counts[placement.shard_of(&key) as usize] += 1;
+        }
+        let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+        // 1000 expected per shard; a fair hash stays well within ±15%.
+        assert!(*min > 850 && *max < 1150, "min {min}, max {max}");
+    }
+
+    #[test]
+    fn replicas_are_distinct_and_capped_by_the_node_count() {
+        let placement = Placement::new(16, 3, vec![1, 2]);
+        assert_eq!(placement.replicas(), 2);
+        for shard in 0..16 {
+            let mut replicas = placement.replicas_of(shard);
+            replicas.sort_unstable();
+            assert_eq!(replicas, vec![1, 2]);
+        }
+        let placement = Placement::new(16, 3, vec![1, 2, 3, 4, 5]);
+        for shard in 0..16 {
+            let mut replicas = placement.replicas_of(shard);
+            assert_eq!(replicas.len(), 3);
+            replicas.dedup();
+            assert_eq!(replicas.len(), 3);
+        }
+    }
+
+    #[test]
+    fn replicas_balance_across_nodes() {
+        let nodes: Vec<NodeId> = (1..=6).collect();
+        let placement = Placement::new(1024, 3, nodes.clone());
+        let mut load: HashMap<NodeId, usize> = HashMap::new();
+        let mut first: HashMap<NodeId, usize> = HashMap::new();
+        for shard in 0..1024 {
+            let replicas = placement.replicas_of(shard);
+            *first.entry(replicas[0]).or_default() += 1;
+            for node in replicas {
+                *load.entry(node).or_default() += 1;
+            }
+        }
+        // 1024 × 3 / 6 = 512 replicas per node; 1024 / 6 ≈ 171 first choices.
+        for node in nodes {
+            let replicas = load[&node];
+            assert!((430..=594).contains(&replicas), "node {node}: {replicas}");
+            let firsts = first[&node];
+            assert!((120..=222).contains(&firsts), "node {node}: {firsts}");
+        }
+    }
+
+    #[test]
+    fn adding_a_node_moves_only_the_replicas_it_takes() {
+        let before = Placement::new(1024, 3, vec![1, 2, 3, 4, 5]);
+        let after = Placement::new(1024, 3, vec![1, 2, 3, 4, 5, 6]);
+        let mut moved = 0;
+        for shard in 0..1024 {
+            let old = before.replicas_of(shard);
+            let new = after.replicas_of(shard);
+            let gained: Vec<_> = new.iter().filter(|n| !old.contains(n)).collect();
+            // Only the new node can gain a replica, and it displaces one old one.
+            assert!(
+                gained.iter().all(|&&n| n == 6),
+                "shard {shard}: {old:?} → {new:?}"
+            );
+            assert!(gained.len() <= 1);
+            moved += gained.len();
+        }
+        // The new node should take about its fair share: 3/6 of the shards.
+        assert!((430..=594).contains(&moved), "moved {moved} of 1024");
+    }
+
+    #[test]
+    fn removing_a_node_moves_only_its_replicas() {
+        let before = Placement::new(1024, 3, vec![1, 2, 3, 4, 5]);
+        let after = Placement::new(1024, 3, vec![1, 2, 3, 5]);
+        for shard in 0..1024 {
+            let old = before.replicas_of(shard);
+            let new = after.replicas_of(shard);
+            if !old.contains(&4) {
+                assert_eq!(
+                    old, new,
+                    "shard {shard} moved though node 4 did not hold it"
+                );
+            } else {
+                let kept: Vec<_> = old.iter().filter(|&&n| n != 4).collect();
+                assert!(kept.iter().all(|n| new.contains(n)));
+            }
+        }
+    }
+
+    #[test]
+    fn counter_ids_follow_the_rule_identity() {
+        let a = stable_counter_id("method=GET", 10, 60_000, "fixed-window");
+        assert_eq!(
+            a,
+            stable_counter_id("method=GET", 10, 60_000, "fixed-window")
+        );
+        assert_ne!(
+            a,
+            stable_counter_id("method=GET", 11, 60_000, "fixed-window")
+        );
+        assert_ne!(
+            a,
+            stable_counter_id("method=GET", 10, 61_000, "fixed-window")
+        );
+        assert_ne!(
+            a,
+            stable_counter_id("method=PUT", 10, 60_000, "fixed-window")
+        );
+    }
+}

@@ -1,0 +1,247 @@
+//! The cluster's topology as one node sees it, gathered from every member:
+//! nodes (up or not), each shard's replicas, leader, term and replication
+//! lag. Served as one JSON line by the `TOPOLOGY` command (so cluster-aware
+//! clients can go straight to leaders) and printed as tables by
+//! `tollgate cluster status`.
+
+use super::node::{ClusterNode, STATUS_TIMEOUT_MS};
+use super::wire::NodeReport;
+use super::NodeId;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopologyNode {
+    pub id: NodeId,
+    /// Where clients connect (divvy protocol).
+    pub client: String,
+    pub peer: String,
+    /// Answered the status query just now.
+    pub up: bool,
+    pub live_keys: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopologyShard {
+    pub shard: u32,
+    pub replicas: Vec<NodeId>,
+    pub leader: Option<NodeId>,
+    pub term: u64,
+    /// Per follower, log entries the leader has not replicated to it yet.
+    pub lag: BTreeMap<NodeId, u64>,
+    /// Replicas that restarted and are still catching up.
+    pub recovering: Vec<NodeId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Topology {
+    pub answered_by: NodeId,
+    pub consistency: String,
+    pub shards: u32,
+    pub replicas: usize,
+    pub nodes: Vec<TopologyNode>,
+    pub placement: Vec<TopologyShard>,
+}
+
+impl Topology {
+    /// Every node up and every shard led.
+    pub fn healthy(&self) -> bool {
+        self.nodes.iter().all(|n| n.up) && self.placement.iter().all(|s| s.leader.is_some())
+    }
+
+    /// The client address of the node leading `shard`, if known.
+    pub fn leader_client(&self, shard: u32) -> Option<&str> {
+        let leader = self.placement.get(shard as usize)?.leader?;
+        self.nodes
+            .iter()
+            .find(|n| n.id == leader)
+            .map(|n| n.client.as_str())
+    }
+}
+
+/// Builds the topology from this node's report and its peers'.
+pub async fn gather(node: &ClusterNode) -> Topology {
+    let mut reports: BTreeMap<NodeId, Option<NodeReport>> =
+        node.peer_reports(STATUS_TIMEOUT_MS).await;
+    reports.insert(node.id, Some(node.report()));
+    let nodes = node
+        .file
+        .nodes
+        .iter()
+        .map(|(&id, addresses)| {
+            let report = reports.get(&id).and_then(|r| r.as_ref());
+            TopologyNode {
+                id,
+                client: addresses.client.to_string(),
+                peer: addresses.peer.to_string(),
+                up: report.is_some(),
+                live_keys: report.map(|r| r.live_keys),
+            }
+        })
+        .collect();
+    let placement = (0..node.placement.shards())
+        .map(|shard| {
+            let views: Vec<(NodeId, &super::wire::ShardReport)> = reports
+                .iter()
+                .filter_map(|(&id, r)| r.as_ref().map(|r| (id, r)))
+                .flat_map(|(id, r)| {
+                    r.shards
+                        .iter()
+                        .filter(move |s| s.shard == shard)
+                        .map(move |s| (id, s))
+                })
+                .collect();
+            // The leader is a replica that says it leads, in the newest term.
+            let leading = views
+                .iter()
+                .filter(|(id, s)| s.leader == Some(*id))
+                .max_by_key(|(_, s)| s.term);
+            TopologyShard {
+                shard,
+                replicas: node.placement.replicas_of(shard),
+                leader: leading.map(|(id, _)| *id),
+                term: views.iter().map(|(_, s)| s.term).max().unwrap_or(0),
+                lag: leading
+                    .map(|(_, s)| s.lag.iter().copied().collect())
+                    .unwrap_or_default(),
+                recovering: views
+                    .iter()
+                    .filter(|(_, s)| s.recovering)
+                    .map(|(id, _)| *id)
+                    .collect(),
+            }
+        })
+        .collect();
+    Topology {
+        answered_by: node.id,
+        consistency: node.hello.consistency.clone(),
+        shards: node.placement.shards(),
+        replicas: node.placement.replicas(),
+        nodes,
+        placement,
+    }
+}
+
+/// Renders the topology as the tables `tollgate cluster status` prints.
+pub fn render(topology: &Topology) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "cluster: {} nodes, {} shards x {} replicas, consistency {} (answered by node {})",
+        topology.nodes.len(),
+        topology.shards,
+        topology.replicas,
+        topology.consistency,
+        topology.answered_by
+    );
+    let _ = writeln!(
+        out,
+        "\nNODE  STATE  CLIENT                 PEER                   LIVE_KEYS  LEADS"
+    );
+    for node in &topology.nodes {
+        let leads = topology
+            .placement
+            .iter()
+            .filter(|s| s.leader == Some(node.id))
+            .count();
+        let _ = writeln!(
+            out,
+            "{:<5} {:<6} {:<22} {:<22} {:<10} {}",
+            node.id,
+            if node.up { "up" } else { "DOWN" },
+            node.client,
+            node.peer,
+            node.live_keys.map_or("-".into(), |n| n.to_string()),
+            leads
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nSHARD  LEADER  TERM  REPLICAS      LAG (entries behind the leader)"
+    );
+    for shard in &topology.placement {
+        let replicas: Vec<String> = shard.replicas.iter().map(|r| r.to_string()).collect();
+        let mut lag: Vec<String> = shard
+            .lag
+            .iter()
+            .map(|(node, behind)| format!("{node}:{behind}"))
+            .collect();
+        for node in &shard.recovering {
+            lag.push(format!("{node}:recovering"));
+        }
+        let _ = writeln!(
+            out,
+            "{:<6} {:<7} {:<5} {:<13} {}",
+            shard.shard,
+            shard.leader.map_or("NONE".into(), |l| l.to_string()),
+            shard.term,
+            replicas.join(","),
+            if lag.is_empty() {
+                "-".into()
+            } else {
+                lag.join(" ")
+            }
+        );
+    }
+    out
+}
+
+/// Asks a node (its client port) for the topology.
+pub fn fetch_topology(addr: &str, timeout: Duration) -> anyhow::Result<Topology> {
+    use anyhow::Context;
+    let socket = addr
+        .to_socket_addrs()
+        .with_context(|| format!("cannot resolve {addr}"))?
+        .next()
+        .with_context(|| format!("{addr} resolves to nothing"))?;
+    let mut stream = TcpStream::connect_timeout(&socket, timeout)
+        .with_context(|| format!("cannot connect to {addr}"))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(b"TOPOLOGY\n")?;
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .with_context(|| format!("no answer from {addr}"))?;
+    let line = line.trim_end();
+    if line.starts_with("ERR ") {
+        anyhow::bail!("{addr} answered {line} (is it running in cluster mode?)");
+    }
+    serde_json::from_str(line).with_context(|| format!("{addr} answered {line:?}"))
+}
+
+/// Flags of `tollgate cluster status`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatusArgs {
+    /// Any node's client address.
+    #[arg(long, default_value = "127.0.0.1:8321")]
+    pub node: String,
+    /// Print the JSON topology instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 unless every node is up and every shard has a leader.
+    #[arg(long)]
+    pub check: bool,
+    /// How long to wait for the answer, in milliseconds.
+    #[arg(long, default_value_t = 3_000)]
+    pub timeout_ms: u64,
+}
+
+/// `tollgate cluster status`.
+pub fn status_command(args: &StatusArgs) -> anyhow::Result<ExitCode> {
+    let topology = fetch_topology(&args.node, Duration::from_millis(args.timeout_ms.max(1)))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&topology)?);
+    } else {
+        print!("{}", render(&topology));
+    }
+    if args.check && !topology.healthy() {
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
