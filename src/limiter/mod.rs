@@ -245,3 +245,31 @@ pub fn fixed_window_hit(
 
 #[cfg(test)]
 mod tests;
+
+/// Helpers shared by the algorithms' tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::{CounterState, Decision, WindowQuota};
+
+    /// One hit through `hit`, storing the new state as a store would.
+    pub fn step(
+        hit: fn(Option<CounterState>, WindowQuota, u64) -> (Decision, Option<CounterState>),
+        state: &mut Option<CounterState>,
+        quota: WindowQuota,
+        now_ms: u64,
+    ) -> Decision {
+        let (decision, new_state) = hit(*state, quota, now_ms);
+        if new_state.is_some() {
+            *state = new_state;
+        }
+        decision
+    }
+
+    pub fn ok(allowed: bool, credit: i64, next_reset_seconds: i64) -> Decision {
+        Decision {
+            allowed,
+            credit,
+            next_reset_seconds,
+        }
+    }
+}

@@ -80,20 +80,10 @@ pub fn sliding_window_hit(
 mod tests {
     use super::*;
 
-    fn run(state: &mut Option<CounterState>, quota: WindowQuota, now_ms: u64) -> Decision {
-        let (decision, new_state) = sliding_window_hit(*state, quota, now_ms);
-        if new_state.is_some() {
-            *state = new_state;
-        }
-        decision
-    }
+    use crate::limiter::test_support::ok;
 
-    fn ok(allowed: bool, credit: i64, next_reset_seconds: i64) -> Decision {
-        Decision {
-            allowed,
-            credit,
-            next_reset_seconds,
-        }
+    fn run(state: &mut Option<CounterState>, quota: WindowQuota, now_ms: u64) -> Decision {
+        crate::limiter::test_support::step(sliding_window_hit, state, quota, now_ms)
     }
 
     #[test]

@@ -229,20 +229,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn run(state: &mut Option<CounterState>, quota: WindowQuota, now_ms: u64) -> Decision {
-        let (decision, new_state) = token_bucket_hit(*state, quota, now_ms);
-        if new_state.is_some() {
-            *state = new_state;
-        }
-        decision
-    }
+    use crate::limiter::test_support::ok;
 
-    fn ok(allowed: bool, credit: i64, next_reset_seconds: i64) -> Decision {
-        Decision {
-            allowed,
-            credit,
-            next_reset_seconds,
-        }
+    fn run(state: &mut Option<CounterState>, quota: WindowQuota, now_ms: u64) -> Decision {
+        crate::limiter::test_support::step(token_bucket_hit, state, quota, now_ms)
     }
 
     #[test]
