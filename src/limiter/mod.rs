@@ -251,9 +251,12 @@ mod tests;
 pub(crate) mod test_support {
     use super::{CounterState, Decision, WindowQuota};
 
+    /// One algorithm's pure hit function.
+    pub type HitFn = fn(Option<CounterState>, WindowQuota, u64) -> (Decision, Option<CounterState>);
+
     /// One hit through `hit`, storing the new state as a store would.
     pub fn step(
-        hit: fn(Option<CounterState>, WindowQuota, u64) -> (Decision, Option<CounterState>),
+        hit: HitFn,
         state: &mut Option<CounterState>,
         quota: WindowQuota,
         now_ms: u64,
