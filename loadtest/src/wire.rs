@@ -68,20 +68,27 @@ fn parse_i64(s: &[u8]) -> Option<i64> {
     Some(if neg { -v } else { v })
 }
 
-/// One divvy answer: `OK true|false <credit> <reset>\n` or `ERR <code> "<message>"\n`.
-pub fn parse_divvy(buf: &[u8]) -> Parse {
+/// The next answer line of a line protocol (without `\n` or `\r\n`) and the
+/// index of its `\n`; `Err` when the line is not complete yet, or when a
+/// partial line is far longer than any answer (we are out of step).
+fn answer_line(buf: &[u8]) -> Result<(&[u8], usize), Parse> {
     let Some(nl) = find_newline(buf) else {
-        // An answer line is short; a very long partial line means we are out of step.
-        return if buf.len() > 64 * 1024 {
+        return Err(if buf.len() > 64 * 1024 {
             Parse::Invalid
         } else {
             Parse::Incomplete
-        };
+        });
     };
-    let mut line = &buf[..nl];
-    if let [rest @ .., b'\r'] = line {
-        line = rest;
-    }
+    let line = &buf[..nl];
+    Ok((line.strip_suffix(b"\r").unwrap_or(line), nl))
+}
+
+/// One divvy answer: `OK true|false <credit> <reset>\n` or `ERR <code> "<message>"\n`.
+pub fn parse_divvy(buf: &[u8]) -> Parse {
+    let (line, nl) = match answer_line(buf) {
+        Ok(found) => found,
+        Err(parse) => return parse,
+    };
     let reply = if let Some(rest) = line.strip_prefix(b"OK ") {
         let (allowed, rest) = if let Some(r) = rest.strip_prefix(b"true ") {
             (true, r)
@@ -113,17 +120,10 @@ pub fn parse_divvy(buf: &[u8]) -> Parse {
 /// One `TAKE` answer: `OK true|false` then zero or more ` l<s|m|h|d|w|o>=<integer>`, then `\n`; or
 /// `ERR <code> "<message>"\n`. The first balance stands in for the credit.
 pub fn parse_take(buf: &[u8]) -> Parse {
-    let Some(nl) = find_newline(buf) else {
-        return if buf.len() > 64 * 1024 {
-            Parse::Invalid
-        } else {
-            Parse::Incomplete
-        };
+    let (line, nl) = match answer_line(buf) {
+        Ok(found) => found,
+        Err(parse) => return parse,
     };
-    let mut line = &buf[..nl];
-    if let [rest @ .., b'\r'] = line {
-        line = rest;
-    }
     let reply = if let Some(rest) = line.strip_prefix(b"OK ") {
         let (allowed, mut rest) = if let Some(r) = rest.strip_prefix(b"true") {
             (true, r)
