@@ -36,7 +36,7 @@ enum Command {
         #[arg(long)]
         pid: Option<i32>,
     },
-    /// Cluster tools (`tollgate cluster status`).
+    /// Cluster tools (`tollgate cluster status|add-node|remove-node`).
     #[command(subcommand)]
     Cluster(ClusterCommand),
 }
@@ -45,6 +45,11 @@ enum Command {
 enum ClusterCommand {
     /// Show nodes, shards, leaders and replication lag, asking any node.
     Status(tollgate::cluster::StatusArgs),
+    /// Add a running node (started with `serve --join`) to the cluster;
+    /// shards move to it in the background.
+    AddNode(tollgate::cluster::admin::AddNodeArgs),
+    /// Remove a node from the cluster; its shards move to the others first.
+    RemoveNode(tollgate::cluster::admin::RemoveNodeArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,6 +78,12 @@ fn main() -> ExitCode {
         Command::CheckConfig { file } => check_config(&file),
         Command::Cluster(ClusterCommand::Status(args)) => {
             tollgate::cluster::status::status_command(&args)
+        }
+        Command::Cluster(ClusterCommand::AddNode(args)) => {
+            tollgate::cluster::admin::add_node_command(&args)
+        }
+        Command::Cluster(ClusterCommand::RemoveNode(args)) => {
+            tollgate::cluster::admin::remove_node_command(&args)
         }
         Command::Reload { pid_file, pid } => reload(pid_file.as_deref(), pid),
     };

@@ -27,7 +27,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::BasicNode;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -288,8 +288,65 @@ async fn serve_connection(
     fail_pending(&pending, &LinkError::Lost(target, lost));
 }
 
-/// All links of a node, by peer id.
-pub type Links = BTreeMap<NodeId, Arc<PeerLink>>;
+/// All links of a node, by peer id. Links are made when a peer first
+/// matters (a member at start-up, a node added at run time, a replica a
+/// shard group's membership names) and kept while the process runs.
+pub struct Links {
+    links: RwLock<BTreeMap<NodeId, Arc<PeerLink>>>,
+    hello: Hello,
+    runtime: tokio::runtime::Handle,
+    /// Peers dialled somewhere other than their advertised peer address
+    /// (`--peer-route`: NAT, tunnels, fault-injection proxies).
+    routes: BTreeMap<NodeId, SocketAddr>,
+}
+
+impl Links {
+    pub fn new(
+        hello: Hello,
+        runtime: tokio::runtime::Handle,
+        routes: BTreeMap<NodeId, SocketAddr>,
+    ) -> Links {
+        Links {
+            links: RwLock::default(),
+            hello,
+            runtime,
+            routes,
+        }
+    }
+
+    pub fn get(&self, peer: NodeId) -> Option<Arc<PeerLink>> {
+        self.links.read().get(&peer).cloned()
+    }
+
+    /// The link to `peer` (advertised at `advertised`), made if there is
+    /// none yet, or remade if the peer's address changed.
+    pub fn ensure(&self, peer: NodeId, advertised: SocketAddr) -> Arc<PeerLink> {
+        let addr = self.routes.get(&peer).copied().unwrap_or(advertised);
+        if let Some(link) = self.get(peer) {
+            if link.addr == addr {
+                return link;
+            }
+        }
+        let mut links = self.links.write();
+        match links.get(&peer) {
+            Some(link) if link.addr == addr => Arc::clone(link),
+            _ => {
+                let link = PeerLink::spawn(peer, addr, self.hello.clone(), &self.runtime);
+                links.insert(peer, Arc::clone(&link));
+                link
+            }
+        }
+    }
+
+    /// Every link, by peer id.
+    pub fn all(&self) -> Vec<(NodeId, Arc<PeerLink>)> {
+        self.links
+            .read()
+            .iter()
+            .map(|(&peer, link)| (peer, Arc::clone(link)))
+            .collect()
+    }
+}
 
 /// openraft's network factory for one shard group.
 pub struct ShardNetworkFactory {
@@ -300,11 +357,20 @@ pub struct ShardNetworkFactory {
 impl RaftNetworkFactory<TollgateRaft> for ShardNetworkFactory {
     type Network = ShardNetwork;
 
-    async fn new_client(&mut self, target: NodeId, _node: &BasicNode) -> ShardNetwork {
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> ShardNetwork {
+        // The group's membership carries each replica's peer address, so a
+        // replica added at run time is reachable before this node has heard
+        // of the new member list.
+        let link = self.links.get(target).or_else(|| {
+            node.addr
+                .parse()
+                .ok()
+                .map(|addr| self.links.ensure(target, addr))
+        });
         ShardNetwork {
             shard: self.shard,
             target,
-            link: self.links.get(&target).cloned(),
+            link,
         }
     }
 }
@@ -328,7 +394,7 @@ impl ShardNetwork {
     ) -> Result<PeerResponse, RPCError<NodeId, BasicNode, E>> {
         let Some(link) = &self.link else {
             return Err(RPCError::Unreachable(Unreachable::new(&TransportError(
-                format!("node {} is not in the cluster file", self.target),
+                format!("node {} has no known peer address", self.target),
             ))));
         };
         let timeout_ms = (option.hard_ttl().as_millis() as u64).max(RAFT_RPC_TIMEOUT_FLOOR_MS);

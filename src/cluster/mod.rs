@@ -4,21 +4,24 @@
 //! only one that names openraft types; the rest of the server sees a
 //! [`Backend`](crate::store::Backend) and a `TOPOLOGY` command.
 //!
-//! Layout: [`config`] (the cluster file), [`placement`] (key → shard →
-//! replicas), [`storage`] (Raft log and state machine in memory),
-//! [`wire`] + [`codec`] (peer messages and their bytes), `links` (outgoing
-//! multiplexed peer connections, openraft's network), `shard` (a group's
-//! leader-side batching), `node` (membership, forwarding, the peer server),
-//! `backend` (the `Backend` and `TOPOLOGY`), [`status`] (topology, the
-//! `cluster status` command), [`client`] (a client that goes straight to
-//! leaders). See docs/cluster.md for the model and its
+//! Layout: [`config`] (the cluster file), [`members`] (the member list at
+//! run time), [`placement`] (key → shard → replicas), [`storage`] (Raft log
+//! and state machine in memory), [`wire`] + [`codec`] (peer messages and
+//! their bytes), `links` (outgoing multiplexed peer connections, openraft's
+//! network), `shard` (a group's leader-side batching), `node` (joining,
+//! forwarding, moving shards, the peer server), `backend` (the `Backend` and
+//! `TOPOLOGY`), [`status`] (topology, `cluster status`), [`admin`]
+//! (`cluster add-node|remove-node`), [`client`] (a client that goes
+//! straight to leaders). See docs/cluster.md for the model and its
 //! guarantees.
 
+pub mod admin;
 mod backend;
 pub mod client;
 pub mod codec;
 pub mod config;
 mod links;
+pub mod members;
 mod node;
 pub mod placement;
 mod shard;
@@ -107,6 +110,19 @@ pub struct ClusterArgs {
     /// At startup, how long to wait for peers to answer, in milliseconds.
     #[arg(long, default_value_t = 3_000)]
     pub join_wait_ms: u64,
+
+    /// Join a running cluster as a new node: wait (without limit) until a
+    /// member listed in the cluster file answers, take the cluster's member
+    /// list, and never initialize a shard; `tollgate cluster add-node` then
+    /// moves shards here. See docs/cluster.md.
+    #[arg(long = "join")]
+    pub join_existing: bool,
+
+    /// Shards this node may be moving at once (as their leader) while the
+    /// cluster grows or shrinks; each move copies the shard's counters to a
+    /// new replica.
+    #[arg(long, default_value_t = 2)]
+    pub shard_moves_max: usize,
 
     /// Threads of the runtime that runs every Raft group of this node.
     #[arg(long, default_value_t = 2)]
@@ -219,10 +235,10 @@ impl Cluster {
         format!(
             "cluster node {} of {}, {} shards x {} replicas ({} here), consistency {}",
             self.node.id,
-            self.node.file.nodes.len(),
-            self.node.placement.shards(),
-            self.node.placement.replicas(),
-            self.node.groups.len(),
+            self.node.members().nodes.len(),
+            self.node.file.shards,
+            self.node.file.replicas,
+            self.node.group_count(),
             self.node.hello.consistency
         )
     }
@@ -283,28 +299,26 @@ pub fn start(
     let hello = wire::Hello {
         node_id: id,
         rules_fingerprint: rules.fingerprint(),
-        cluster_fingerprint: file.fingerprint(),
+        layout_fingerprint: file.layout_fingerprint(),
         consistency: args.consistency.as_str().to_string(),
     };
-    let links: Arc<links::Links> = Arc::new(
-        file.nodes
-            .iter()
-            .filter(|(&peer, _)| peer != id)
-            .map(|(&peer, addresses)| {
-                (
-                    peer,
-                    links::PeerLink::spawn(peer, addresses.peer, hello.clone(), runtime.handle()),
-                )
-            })
-            .collect(),
-    );
+    let links = Arc::new(links::Links::new(
+        hello.clone(),
+        runtime.handle().clone(),
+        BTreeMap::new(),
+    ));
     let leaders = Arc::new(LeaderTable::new(placement.shards()));
-    let settings = shard::WorkerSettings {
-        node_id: id,
-        consistency: args.consistency,
-        commit_timeout_ms: args.commit_timeout_ms.max(1),
-        replication_interval_ms: args.replication_interval_ms.max(1),
-        batch_ops_max: args.batch_ops_max.max(1),
+    let factory = node::GroupFactory {
+        raft_config,
+        store,
+        clock,
+        settings: shard::WorkerSettings {
+            node_id: id,
+            consistency: args.consistency,
+            commit_timeout_ms: args.commit_timeout_ms.max(1),
+            replication_interval_ms: args.replication_interval_ms.max(1),
+            batch_ops_max: args.batch_ops_max.max(1),
+        },
     };
     let node = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(me.peer)
@@ -313,50 +327,25 @@ pub fn start(
                 addr: me.peer,
                 source,
             })?;
-        let mut groups = BTreeMap::new();
-        for shard in placement.shards_of_node(id) {
-            let state_machine = storage::ShardStateMachine::new(
-                shard,
-                placement.clone(),
-                Arc::clone(&store),
-                Arc::clone(&clock),
-            );
-            let network = links::ShardNetworkFactory {
-                shard,
-                links: Arc::clone(&links),
-            };
-            let group = shard::ShardGroup::start(
-                shard,
-                Arc::clone(&raft_config),
-                network,
-                state_machine,
-                Arc::clone(&store),
-                Arc::clone(&clock),
-                settings.clone(),
-                Arc::clone(&leaders),
-            )
-            .await
-            .map_err(|error| ClusterError::Shard {
-                shard,
-                why: error.to_string(),
-            })?;
-            groups.insert(shard, group);
-        }
         let node = Arc::new(node::ClusterNode::new(
             id,
             file,
             hello,
-            groups,
             links,
             leaders,
-            store,
+            factory,
             args.forward_timeout_ms.max(1),
-            args.batch_ops_max.max(1),
+            args.raft_election_timeout_ms,
+            args.shard_moves_max,
         ));
         tokio::spawn(node::serve_peers(listener, Arc::clone(&node)));
-        node.join(args.join_wait_ms, args.raft_election_timeout_ms)
-            .await?;
-        tokio::spawn(Arc::clone(&node).poll_remote_leaders());
+        node.join(node::JoinSettings {
+            join_wait_ms: args.join_wait_ms,
+            join_existing: args.join_existing,
+        })
+        .await?;
+        tokio::spawn(Arc::clone(&node).poll_peers());
+        tokio::spawn(Arc::clone(&node).rebalance());
         Ok::<_, ClusterError>(node)
     })?;
     Ok(Some(Cluster {

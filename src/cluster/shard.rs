@@ -70,6 +70,20 @@ pub struct ShardGroup {
     pub raft: Raft<TollgateRaft>,
     pub work: mpsc::Sender<WorkItem>,
     recovery: Mutex<Option<Recovery>>,
+    /// Set while this leader hands leadership to another replica.
+    pub handover: Arc<Handover>,
+    /// What a move of this shard (led here) is doing, for `cluster status`.
+    pub moving: Mutex<Option<String>>,
+}
+
+/// A leader handing its leadership over: it stops deciding, finishes
+/// replicating what it decided, then lets the successor stand.
+#[derive(Default)]
+pub struct Handover {
+    /// Hits answer `unavailable` (the client retries on the new leader).
+    pub active: std::sync::atomic::AtomicBool,
+    /// Everything decided here has been committed; nothing is in flight.
+    pub quiesced: std::sync::atomic::AtomicBool,
 }
 
 impl ShardGroup {
@@ -100,6 +114,8 @@ impl ShardGroup {
             raft: raft.clone(),
             work,
             recovery: Mutex::new(None),
+            handover: Arc::default(),
+            moving: Mutex::new(None),
         });
         let worker = Worker {
             shard,
@@ -112,6 +128,7 @@ impl ShardGroup {
             unreplicated: HashMap::new(),
             replication_failed: Arc::default(),
             requeued: Arc::default(),
+            handover: Arc::clone(&group.handover),
         };
         tokio::spawn(worker.run(queue));
         tokio::spawn(watch_leadership(Arc::downgrade(&group), leaders));
@@ -188,7 +205,11 @@ impl ShardGroup {
             }
             _ => Vec::new(),
         };
+        let membership = metrics.membership_config.membership();
         ShardReport {
+            voters: membership.voter_ids().collect(),
+            learners: membership.learner_ids().collect(),
+            moving: self.moving.lock().clone(),
             shard: self.shard,
             established: metrics.last_log_index.unwrap_or(0) >= 1 || metrics.snapshot.is_some(),
             term: metrics.current_term,
@@ -246,6 +267,7 @@ struct Worker {
     /// Fast mode: states of background proposals that failed, to propose
     /// again (a failed proposal may still commit; merging twice is harmless).
     requeued: Arc<Mutex<Vec<ReplicatedCounter>>>,
+    handover: Arc<Handover>,
 }
 
 impl Worker {
@@ -278,6 +300,14 @@ impl Worker {
                     }
                     if !self.unreplicated.is_empty() {
                         self.replicate_in_background();
+                    }
+                    if self.handover.active.load(std::sync::atomic::Ordering::Acquire) {
+                        let idle = self.unreplicated.is_empty()
+                            && self.requeued.lock().is_empty()
+                            && self.proposals.available_permits() == PROPOSALS_IN_FLIGHT_MAX;
+                        self.handover
+                            .quiesced
+                            .store(idle, std::sync::atomic::Ordering::Release);
                     }
                 }
             }
@@ -334,6 +364,11 @@ impl Worker {
     }
 
     async fn decide_batch(&mut self, items: Vec<WorkItem>) {
+        if self.handover.active.load(std::sync::atomic::Ordering::Acquire) {
+            let decision = self.unavailable("its leadership is being handed to another replica");
+            Self::answer_all(items, &decision);
+            return;
+        }
         if let Err(why) = self.ensure_ready().await {
             let decision = self.unavailable(&why);
             Self::answer_all(items, &decision);

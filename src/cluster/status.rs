@@ -29,7 +29,16 @@ pub struct TopologyNode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TopologyShard {
     pub shard: u32,
+    /// The voters of the shard's group, as its leader has them (the target
+    /// while no leader is known).
     pub replicas: Vec<NodeId>,
+    /// Where the member list places the shard; differs from `replicas`
+    /// while the shard moves.
+    pub target: Vec<NodeId>,
+    /// Replicas being added (catching up before they vote).
+    pub learners: Vec<NodeId>,
+    /// What the leader's move of this shard is doing now.
+    pub moving: Option<String>,
     pub leader: Option<NodeId>,
     pub term: u64,
     /// Per follower, log entries the leader has not replicated to it yet.
@@ -41,6 +50,8 @@ pub struct TopologyShard {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Topology {
     pub answered_by: NodeId,
+    /// The member list's version (raised by every add-node/remove-node).
+    pub members_epoch: u64,
     pub consistency: String,
     pub shards: u32,
     pub replicas: usize,
@@ -52,6 +63,21 @@ impl Topology {
     /// Every node up and every shard led.
     pub fn healthy(&self) -> bool {
         self.nodes.iter().all(|n| n.up) && self.placement.iter().all(|s| s.leader.is_some())
+    }
+
+    /// Shards whose replicas differ from the member list's placement.
+    pub fn moves_pending(&self) -> usize {
+        self.placement
+            .iter()
+            .filter(|s| s.replicas != s.target || !s.learners.is_empty())
+            .count()
+    }
+
+    /// Healthy, and every shard on its target replicas, none recovering.
+    pub fn settled(&self) -> bool {
+        self.healthy()
+            && self.moves_pending() == 0
+            && self.placement.iter().all(|s| s.recovering.is_empty())
     }
 
     /// The client address of the node leading `shard`, if known.
@@ -69,8 +95,9 @@ pub async fn gather(node: &ClusterNode) -> Topology {
     let mut reports: BTreeMap<NodeId, Option<NodeReport>> =
         node.peer_reports(STATUS_TIMEOUT_MS).await;
     reports.insert(node.id, Some(node.report()));
-    let nodes = node
-        .file
+    let members = node.members();
+    let target = node.target_placement();
+    let nodes = members
         .nodes
         .iter()
         .map(|(&id, addresses)| {
@@ -101,9 +128,20 @@ pub async fn gather(node: &ClusterNode) -> Topology {
                 .iter()
                 .filter(|(id, s)| s.leader == Some(*id))
                 .max_by_key(|(_, s)| s.term);
+            let target_replicas = target.replicas_of(shard);
+            let mut replicas = leading
+                .map(|(_, s)| s.voters.clone())
+                .unwrap_or_else(|| target_replicas.clone());
+            let mut target_sorted = target_replicas;
+            // Both sorted, so that a settled shard compares equal.
+            replicas.sort_unstable();
+            target_sorted.sort_unstable();
             TopologyShard {
                 shard,
-                replicas: node.placement.replicas_of(shard),
+                replicas,
+                target: target_sorted,
+                learners: leading.map(|(_, s)| s.learners.clone()).unwrap_or_default(),
+                moving: leading.and_then(|(_, s)| s.moving.clone()),
                 leader: leading.map(|(id, _)| *id),
                 term: views.iter().map(|(_, s)| s.term).max().unwrap_or(0),
                 lag: leading
@@ -119,9 +157,10 @@ pub async fn gather(node: &ClusterNode) -> Topology {
         .collect();
     Topology {
         answered_by: node.id,
+        members_epoch: members.epoch,
         consistency: node.hello.consistency.clone(),
-        shards: node.placement.shards(),
-        replicas: node.placement.replicas(),
+        shards: node.file.shards,
+        replicas: target.replicas(),
         nodes,
         placement,
     }
@@ -132,12 +171,13 @@ pub fn render(topology: &Topology) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "cluster: {} nodes, {} shards x {} replicas, consistency {} (answered by node {})",
+        "cluster: {} nodes, {} shards x {} replicas, consistency {} (answered by node {}, members epoch {})",
         topology.nodes.len(),
         topology.shards,
         topology.replicas,
         topology.consistency,
-        topology.answered_by
+        topology.answered_by,
+        topology.members_epoch,
     );
     let _ = writeln!(
         out,
@@ -160,12 +200,32 @@ pub fn render(topology: &Topology) -> String {
             leads
         );
     }
+    let moving = topology.moves_pending();
+    if moving > 0 {
+        let _ = writeln!(
+            out,
+            "\n{moving} shards moving to the member list's placement:"
+        );
+        for shard in topology
+            .placement
+            .iter()
+            .filter(|s| s.replicas != s.target || !s.learners.is_empty())
+        {
+            let _ = writeln!(
+                out,
+                "  shard {}: {} -> {}: {}",
+                shard.shard,
+                join_ids(&shard.replicas),
+                join_ids(&shard.target),
+                shard.moving.as_deref().unwrap_or("waiting for its leader")
+            );
+        }
+    }
     let _ = writeln!(
         out,
         "\nSHARD  LEADER  TERM  REPLICAS      LAG (entries behind the leader)"
     );
     for shard in &topology.placement {
-        let replicas: Vec<String> = shard.replicas.iter().map(|r| r.to_string()).collect();
         let mut lag: Vec<String> = shard
             .lag
             .iter()
@@ -180,7 +240,7 @@ pub fn render(topology: &Topology) -> String {
             shard.shard,
             shard.leader.map_or("NONE".into(), |l| l.to_string()),
             shard.term,
-            replicas.join(","),
+            join_ids(&shard.replicas),
             if lag.is_empty() {
                 "-".into()
             } else {
@@ -189,6 +249,13 @@ pub fn render(topology: &Topology) -> String {
         );
     }
     out
+}
+
+fn join_ids(ids: &[NodeId]) -> String {
+    ids.iter()
+        .map(|id| id.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Asks a node (its client port) for the topology.

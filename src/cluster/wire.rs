@@ -5,6 +5,8 @@
 //! group, batches of forwarded hits, and status queries. The byte encoding is
 //! [`codec`](super::codec)'s business alone.
 
+use super::config::NodeAddresses;
+use super::members::Members;
 use super::storage::TollgateRaft;
 use super::NodeId;
 use crate::limiter::Decision;
@@ -61,7 +63,8 @@ impl From<Decision> for WireDecision {
 pub struct Hello {
     pub node_id: NodeId,
     pub rules_fingerprint: u64,
-    pub cluster_fingerprint: u64,
+    /// The `[cluster]` layout's fingerprint (shards, replicas).
+    pub layout_fingerprint: u64,
     pub consistency: String,
 }
 
@@ -80,6 +83,11 @@ pub struct ShardReport {
     pub recovering: bool,
     /// When this node leads: per follower, entries not yet replicated to it.
     pub lag: Vec<(NodeId, u64)>,
+    /// The group's voters and learners, as this replica's log has them.
+    pub voters: Vec<NodeId>,
+    pub learners: Vec<NodeId>,
+    /// When this node leads and is moving the shard: what the move is doing.
+    pub moving: Option<String>,
 }
 
 /// A node's view of itself, answered to `Hello` and `Status`.
@@ -88,6 +96,21 @@ pub struct NodeReport {
     pub node_id: NodeId,
     pub live_keys: u64,
     pub shards: Vec<ShardReport>,
+    /// The newest member list this node knows.
+    pub members: Members,
+}
+
+/// Operator requests (`tollgate cluster add-node|remove-node`), accepted on
+/// the peer port only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdminRequest {
+    AddNode {
+        id: NodeId,
+        addresses: NodeAddresses,
+    },
+    RemoveNode {
+        id: NodeId,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -108,6 +131,12 @@ pub enum PeerRequest {
     /// Forwarded hits, answered per op in order.
     Hits(Vec<WireOp>),
     Status,
+    /// A newer member list (answered with the list the node then holds).
+    Members(Members),
+    /// The shard's leader hands leadership over: stand for election now.
+    Elect { shard: u32 },
+    /// An operator request; may open a connection instead of a hello.
+    Admin(AdminRequest),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -118,6 +147,11 @@ pub enum PeerResponse {
     Snapshot(Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>),
     Hits(Vec<WireDecision>),
     Status(NodeReport),
+    Members(Members),
+    /// `Elect` was started.
+    Electing,
+    /// The outcome of an operator request, said for the operator.
+    Admin(Result<String, String>),
     /// The request was not served (mismatched hello, unknown shard, a
     /// recovering replica declining a vote); the text says why.
     Refused(String),

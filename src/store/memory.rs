@@ -241,6 +241,24 @@ impl<S: StoredState> StripedStore<S> {
         index
     }
 
+    /// Removes every counter whose key `doomed` selects (a cluster replica
+    /// handing a shard to other nodes), one stripe at a time. Returns how
+    /// many were removed.
+    pub fn remove_where(&self, mut doomed: impl FnMut(&[u8]) -> bool) -> usize {
+        let mut removed = 0;
+        for stripe in self.stripes.iter() {
+            let mut stripe = stripe.lock();
+            let before = stripe.table.len();
+            stripe.table.retain(|e| !doomed(&e.key));
+            let gone = before - stripe.table.len();
+            if gone > 0 {
+                self.live_keys.fetch_sub(gone, Ordering::AcqRel);
+                removed += gone;
+            }
+        }
+        removed
+    }
+
     /// Visits every live counter (for snapshots and persistence), one stripe
     /// at a time.
     pub fn for_each_live(&self, now_ms: u64, mut visit: impl FnMut(&[u8], S)) {
@@ -363,6 +381,21 @@ mod tests {
         // Once a and b expire, c fits.
         assert_eq!(hit(&store, b"c", 1000), Ok(true));
         assert_eq!(store.live_keys(), 1);
+    }
+
+    #[test]
+    fn remove_where_drops_only_the_selected_keys_and_frees_their_slots() {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            stripes: 4,
+            live_keys_max: 10,
+        });
+        for key in [&b"a1"[..], b"a2", b"b1"] {
+            assert!(hit(&store, key, 1_000).unwrap());
+        }
+        assert_eq!(store.remove_where(|key| key.starts_with(b"a")), 2);
+        assert_eq!(store.live_keys(), 1);
+        assert!(store.get(b"a1", 1_000).is_none());
+        assert!(store.get(b"b1", 1_000).is_some());
     }
 
     #[test]
