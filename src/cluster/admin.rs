@@ -75,7 +75,11 @@ fn run(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<ExitCode> 
         tokio::time::timeout(timeout, send(&target.node, request))
             .await
             .map_err(|_| {
-                anyhow::anyhow!("{} did not answer within {} ms", target.node, timeout.as_millis())
+                anyhow::anyhow!(
+                    "{} did not answer within {} ms",
+                    target.node,
+                    timeout.as_millis()
+                )
             })?
     })?;
     match answer {

@@ -95,7 +95,9 @@ impl Members {
             ));
         }
         if self.nodes.len() == 1 {
-            return Err(format!("node {id} is the last member; it cannot be removed"));
+            return Err(format!(
+                "node {id} is the last member; it cannot be removed"
+            ));
         }
         let mut next = self.clone();
         next.epoch += 1;
@@ -126,7 +128,9 @@ mod tests {
         Members {
             epoch: 0,
             origin: 0,
-            nodes: (1..=3).map(|id| (id, addresses(8320 + id as u16))).collect(),
+            nodes: (1..=3)
+                .map(|id| (id, addresses(8320 + id as u16)))
+                .collect(),
         }
     }
 
@@ -138,7 +142,10 @@ mod tests {
         assert!(!base.supersedes(&added));
         let concurrent = base.without_node(3, 1).unwrap();
         assert_eq!(concurrent.epoch, added.epoch);
-        assert!(added.supersedes(&concurrent), "same epoch: origin 2 beats 1");
+        assert!(
+            added.supersedes(&concurrent),
+            "same epoch: origin 2 beats 1"
+        );
         assert!(!added.supersedes(&added));
     }
 
@@ -157,11 +164,7 @@ mod tests {
             error.contains("node 9 is not a member (members: 1,2,3)"),
             "{error}"
         );
-        let single = base
-            .without_node(1, 1)
-            .unwrap()
-            .without_node(2, 1)
-            .unwrap();
+        let single = base.without_node(1, 1).unwrap().without_node(2, 1).unwrap();
         assert!(single
             .without_node(3, 1)
             .unwrap_err()
@@ -174,7 +177,9 @@ mod tests {
         let grown = base.with_node(4, addresses(8324), 1).unwrap();
         assert_eq!(grown.placement(16, 3).nodes(), &[1, 2, 3, 4]);
         let moved = (0..16)
-            .filter(|&s| base.placement(16, 3).replicas_of(s) != grown.placement(16, 3).replicas_of(s))
+            .filter(|&s| {
+                base.placement(16, 3).replicas_of(s) != grown.placement(16, 3).replicas_of(s)
+            })
             .count();
         assert!(moved > 0 && moved < 16, "{moved} of 16 shards move");
     }

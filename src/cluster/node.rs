@@ -402,7 +402,12 @@ impl ClusterNode {
                     _ => {}
                 }
             }
-            let peers = self.members().nodes.keys().filter(|&&n| n != self.id).count();
+            let peers = self
+                .members()
+                .nodes
+                .keys()
+                .filter(|&&n| n != self.id)
+                .count();
             let done = if settings.join_existing {
                 !reports.is_empty()
             } else {
@@ -600,7 +605,8 @@ impl ClusterNode {
         if voters.is_empty() {
             return; // Not initialized yet (a new replica waiting to be added).
         }
-        let leading = metrics.state == ServerState::Leader && metrics.current_leader == Some(self.id);
+        let leading =
+            metrics.state == ServerState::Leader && metrics.current_leader == Some(self.id);
         if leading {
             let settled = voters == target && learners.iter().all(|l| target.contains(l));
             if settled || self.moving.lock().contains(&shard) {

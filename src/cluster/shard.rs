@@ -364,7 +364,11 @@ impl Worker {
     }
 
     async fn decide_batch(&mut self, items: Vec<WorkItem>) {
-        if self.handover.active.load(std::sync::atomic::Ordering::Acquire) {
+        if self
+            .handover
+            .active
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
             let decision = self.unavailable("its leadership is being handed to another replica");
             Self::answer_all(items, &decision);
             return;

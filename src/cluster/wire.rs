@@ -134,7 +134,9 @@ pub enum PeerRequest {
     /// A newer member list (answered with the list the node then holds).
     Members(Members),
     /// The shard's leader hands leadership over: stand for election now.
-    Elect { shard: u32 },
+    Elect {
+        shard: u32,
+    },
     /// An operator request; may open a connection instead of a hello.
     Admin(AdminRequest),
 }

@@ -162,6 +162,91 @@ impl TestCluster {
         node.child = Some(child);
     }
 
+    /// Starts one more node with `serve --join`: its cluster file lists the
+    /// members plus itself. It is not a member until `cluster add-node`.
+    pub fn start_joining_node(&mut self) -> u64 {
+        let id = self.nodes.len() as u64 + 1;
+        let ports = free_ports(2);
+        let client: SocketAddr = format!("127.0.0.1:{}", ports[0]).parse().unwrap();
+        let peer: SocketAddr = format!("127.0.0.1:{}", ports[1]).parse().unwrap();
+        let mut file = std::fs::read_to_string(&self.cluster_path).unwrap();
+        file.push_str(&format!(
+            "\n[node {id}]\nclient = {client}\npeer = {peer}\n"
+        ));
+        let path = self.dir.path().join(format!("cluster-{id}.ini"));
+        std::fs::write(&path, file).unwrap();
+        self.nodes.push(Node {
+            id,
+            client,
+            peer,
+            child: None,
+            restarts: 1,
+        });
+        let log = std::fs::File::create(self.dir.path().join(format!("node{id}-1.log"))).unwrap();
+        let child = Command::new(TOLLGATE)
+            .arg("serve")
+            .arg("--cluster")
+            .arg(&path)
+            .arg("--node-id")
+            .arg(id.to_string())
+            .arg("--join")
+            .args(["--threads", "1"])
+            .args(&self.args)
+            .arg(&self.rules_path)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn tollgate");
+        self.node(id).child = Some(child);
+        id
+    }
+
+    /// Runs `tollgate cluster <command> …` against node `via`'s peer port;
+    /// returns (success, stdout + stderr).
+    pub fn admin(&self, via: u64, command: &[&str]) -> (bool, String) {
+        let output = Command::new(TOLLGATE)
+            .arg("cluster")
+            .args(command)
+            .arg("--node")
+            .arg(self.nodes[(via - 1) as usize].peer.to_string())
+            .output()
+            .expect("run tollgate cluster");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (output.status.success(), text)
+    }
+
+    /// Waits until `via` reports the member list `members`, every shard
+    /// led, on its target replicas, and none recovering.
+    pub fn wait_settled(&self, via: u64, members: &[u64], timeout: Duration) -> Topology {
+        let deadline = Instant::now() + timeout;
+        let mut last = None;
+        loop {
+            if let Ok(topology) =
+                fetch_topology(&self.client(via).to_string(), Duration::from_secs(2))
+            {
+                let ids: Vec<u64> = topology.nodes.iter().map(|n| n.id).collect();
+                if ids == members && topology.settled() {
+                    return topology;
+                }
+                last = Some(topology);
+            }
+            if Instant::now() >= deadline {
+                let logs: Vec<String> = self.nodes.iter().map(|n| self.log(n.id)).collect();
+                panic!(
+                    "cluster did not settle on members {members:?} within {timeout:?}: {}\nlogs:\n{}",
+                    last.map(|t| tollgate::cluster::status::render(&t))
+                        .unwrap_or_default(),
+                    logs.join("\n---\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// SIGKILLs node `id`.
     pub fn kill(&mut self, id: u64) {
         if let Some(mut child) = self.node(id).child.take() {
