@@ -294,6 +294,10 @@ pub struct StatusArgs {
     /// Exit 1 unless every node is up and every shard has a leader.
     #[arg(long)]
     pub check: bool,
+    /// With --check: also exit 1 while shards are moving (after add-node or
+    /// remove-node) or a replica is recovering.
+    #[arg(long, requires = "check")]
+    pub settled: bool,
     /// How long to wait for the answer, in milliseconds.
     #[arg(long, default_value_t = 3_000)]
     pub timeout_ms: u64,
@@ -307,7 +311,12 @@ pub fn status_command(args: &StatusArgs) -> anyhow::Result<ExitCode> {
     } else {
         print!("{}", render(&topology));
     }
-    if args.check && !topology.healthy() {
+    let ok = if args.settled {
+        topology.settled()
+    } else {
+        topology.healthy()
+    };
+    if args.check && !ok {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
