@@ -120,6 +120,11 @@ pub struct ClusterArgs {
     /// node's counters; the log keeps at most this many entries plus 100).
     #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
+
+    /// Dial node N at this address instead of its cluster-file peer address
+    /// (NAT, SSH tunnels, fault-injection proxies). Repeatable: N=HOST:PORT.
+    #[arg(long = "peer-route", value_name = "N=HOST:PORT", value_parser = config::parse_peer_route)]
+    pub peer_routes: Vec<(NodeId, SocketAddr)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -272,6 +277,7 @@ pub fn start(
         .get(&id)
         .cloned()
         .ok_or(config::ClusterFileError::UnknownSelf(id))?;
+    let routes = file.peer_routes(id, &args.peer_routes)?;
     let placement = file.placement();
     let raft_config = raft_config(args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -293,7 +299,12 @@ pub fn start(
             .map(|(&peer, addresses)| {
                 (
                     peer,
-                    links::PeerLink::spawn(peer, addresses.peer, hello.clone(), runtime.handle()),
+                    links::PeerLink::spawn(
+                        peer,
+                        routes.get(&peer).copied().unwrap_or(addresses.peer),
+                        hello.clone(),
+                        runtime.handle(),
+                    ),
                 )
             })
             .collect(),
