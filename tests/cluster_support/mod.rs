@@ -1,8 +1,14 @@
 //! Helpers for the cluster tests: real `tollgate` processes on loopback
 //! (three nodes by default), killed with SIGKILL, restarted, and talked to
-//! over real sockets. Every wait is bounded.
+//! over real sockets. Every wait is bounded. A cluster started with
+//! [`TestCluster::start_proxied`] sends every directed peer link through its
+//! own fault-injection [`proxy::Proxy`], for partitions.
 #![allow(dead_code)]
 
+pub mod proxy;
+
+use proxy::Proxy;
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -24,6 +30,11 @@ matchPolicy = canary
 [path=/limited]
 creditLimit = 200
 resetSeconds = 60
+actorField = user
+
+[path=/chaos]
+creditLimit = 1000
+resetSeconds = 3600
 actorField = user
 
 [path=/big]
@@ -81,12 +92,35 @@ pub struct TestCluster {
     pub args: Vec<String>,
     pub rules_path: PathBuf,
     pub cluster_path: PathBuf,
+    /// With [`TestCluster::start_proxied`]: the proxy of each directed link
+    /// `(from, to)`, which node `from` dials instead of `to`'s peer port.
+    pub proxies: BTreeMap<(u64, u64), Proxy>,
+}
+
+/// How [`TestCluster::isolate`] cuts a node off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Connections closed, new ones refused: peers notice at once.
+    Cut,
+    /// Connections open, bytes dropped: peers notice only by timeouts.
+    Blackhole,
 }
 
 impl TestCluster {
     /// Starts `count` nodes with `shards` shards and extra `serve` flags, and
     /// waits until every shard has a leader.
     pub fn start(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_with(count, shards, args, false)
+    }
+
+    /// Like [`TestCluster::start`], with every directed peer link `i → j`
+    /// going through its own proxy (node `i` runs with `--peer-route
+    /// j=<proxy>`).
+    pub fn start_proxied(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_with(count, shards, args, true)
+    }
+
+    fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let ports = free_ports(count * 2);
         let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n");
@@ -110,12 +144,21 @@ impl TestCluster {
         std::fs::write(&cluster_path, cluster_file).unwrap();
         let rules_path = dir.path().join("rules.ini");
         std::fs::write(&rules_path, RULES).unwrap();
+        let mut proxies = BTreeMap::new();
+        if proxied {
+            for from in &nodes {
+                for to in nodes.iter().filter(|to| to.id != from.id) {
+                    proxies.insert((from.id, to.id), Proxy::start(to.peer));
+                }
+            }
+        }
         let mut cluster = TestCluster {
             dir,
             nodes,
             args: args.iter().map(|s| s.to_string()).collect(),
             rules_path,
             cluster_path,
+            proxies,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -141,7 +184,11 @@ impl TestCluster {
         let log_dir = self.dir.path().to_path_buf();
         let rules = rules.unwrap_or(&self.rules_path).clone();
         let cluster_path = self.cluster_path.clone();
-        let args = self.args.clone();
+        let mut args = self.args.clone();
+        for ((_, to), proxy) in self.proxies.range((id, 0)..=(id, u64::MAX)) {
+            args.push("--peer-route".to_string());
+            args.push(format!("{to}={}", proxy.addr));
+        }
         let node = self.node(id);
         node.restarts += 1;
         let log =
@@ -167,6 +214,84 @@ impl TestCluster {
         if let Some(mut child) = self.node(id).child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// Stops node `id` gracefully (SIGTERM: it drains its clients), then
+    /// SIGKILLs it if it is still running after `timeout`.
+    pub fn stop(&mut self, id: u64, timeout: Duration) {
+        let Some(pid) = self.node(id).pid() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        if self.wait_exit(id, timeout).is_none() {
+            eprintln!("node {id} ignored SIGTERM for {timeout:?}; killing it");
+        }
+        self.kill(id);
+    }
+
+    /// The proxy of the directed link `from → to` (proxied clusters only).
+    pub fn link(&self, from: u64, to: u64) -> &Proxy {
+        self.proxies
+            .get(&(from, to))
+            .unwrap_or_else(|| panic!("no proxy for link {from} -> {to}: use start_proxied"))
+    }
+
+    /// Cuts the directed link `from → to` (node `from`'s connection to `to`,
+    /// which carries `from`'s requests and `to`'s answers to them).
+    pub fn cut_link(&self, from: u64, to: u64) {
+        self.link(from, to).cut();
+    }
+
+    /// Cuts (or blackholes) every link to and from `node`.
+    pub fn isolate(&self, node: u64, fault: Fault) {
+        for (&(from, to), proxy) in &self.proxies {
+            if from == node || to == node {
+                match fault {
+                    Fault::Cut => proxy.cut(),
+                    Fault::Blackhole => proxy.blackhole(),
+                }
+            }
+        }
+    }
+
+    /// Heals every link (and clears delays).
+    pub fn heal_all(&self) {
+        for proxy in self.proxies.values() {
+            proxy.set_delay(0);
+            proxy.heal();
+        }
+    }
+
+    /// Waits until the cluster is healthy (see [`TestCluster::wait_healthy`])
+    /// and every live node, asked in turn, names the same leader and term
+    /// for every shard.
+    pub fn wait_converged(&self, timeout: Duration) -> Topology {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let topology = self.wait_healthy(left.max(Duration::from_millis(1)));
+            let views: Vec<Option<Vec<(Option<u64>, u64)>>> = self
+                .nodes
+                .iter()
+                .filter(|n| n.child.is_some())
+                .map(|n| {
+                    fetch_topology(&n.client.to_string(), Duration::from_secs(2))
+                        .ok()
+                        .map(|t| t.placement.iter().map(|s| (s.leader, s.term)).collect())
+                })
+                .collect();
+            let agreed = views.iter().all(|v| v.is_some() && *v == views[0]);
+            if agreed {
+                return topology;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nodes disagree on leaders after {timeout:?}: {views:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
