@@ -467,3 +467,159 @@ impl Drop for SingleNode {
         let _ = self.child.wait();
     }
 }
+
+/// The shard of `user`'s counter under a rule (`operation` as the rule
+/// file's section, e.g. `path=/big`), in a cluster of `shards` shards on
+/// nodes 1..=3.
+pub fn shard_of_user(
+    shards: u32,
+    operation: &str,
+    limit: u64,
+    reset_seconds: u64,
+    user: &str,
+) -> u32 {
+    use tollgate::cluster::placement::{counter_key, stable_counter_id, Placement};
+    let placement = Placement::new(shards, 3, vec![1, 2, 3]);
+    let counter = stable_counter_id(operation, limit, reset_seconds * 1000, "fixed-window");
+    let mut key = Vec::new();
+    counter_key(&mut key, counter, user);
+    placement.shard_of(&key)
+}
+
+/// How a hit was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answered {
+    True,
+    False,
+    /// `ERR …`, with its text.
+    Err(String),
+    /// No answer: the connection closed (after an `ERR`) or failed.
+    Lost,
+}
+
+/// One hit sent by a load thread.
+#[derive(Debug, Clone)]
+pub struct Hit {
+    /// The node it was sent to.
+    pub node: u64,
+    /// Its index in the thread's lines.
+    pub line: usize,
+    pub sent: Instant,
+    pub answered: Instant,
+    pub answer: Answered,
+}
+
+pub type HitLog = std::sync::Arc<std::sync::Mutex<Vec<Hit>>>;
+
+/// A load thread on node `node`: sends `lines` round-robin, `batch` per
+/// pipelined request then `pause`, reconnecting after a close, and logs
+/// every hit until `stop`.
+pub fn spawn_load(
+    node: u64,
+    addr: SocketAddr,
+    lines: std::sync::Arc<Vec<String>>,
+    batch: usize,
+    pause: Duration,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    log: HitLog,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut conn: Option<Conn> = None;
+        let mut next = (node as usize * 7) % lines.len();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if conn.is_none() {
+                conn = Conn::open(addr).ok();
+                if conn.is_none() {
+                    // A refused connection is a lost hit, logged once per try.
+                    let now = Instant::now();
+                    log.lock().unwrap().push(Hit {
+                        node,
+                        line: next,
+                        sent: now,
+                        answered: now,
+                        answer: Answered::Lost,
+                    });
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            }
+            let indexes: Vec<usize> = (0..batch).map(|i| (next + i) % lines.len()).collect();
+            next = (next + batch) % lines.len();
+            let request: Vec<String> = indexes.iter().map(|&i| lines[i].clone()).collect();
+            let sent = Instant::now();
+            let answers = conn.as_mut().map(|c| c.pipeline(&request)).unwrap_or_default();
+            let answered = Instant::now();
+            {
+                let mut log = log.lock().unwrap();
+                for (position, &line) in indexes.iter().enumerate() {
+                    let answer = match answers.get(position) {
+                        Some(a) if a.starts_with("OK true") => Answered::True,
+                        Some(a) if a.starts_with("OK false") => Answered::False,
+                        Some(a) => Answered::Err(a.clone()),
+                        None => Answered::Lost,
+                    };
+                    log.push(Hit {
+                        node,
+                        line,
+                        sent,
+                        answered,
+                        answer,
+                    });
+                }
+            }
+            if answers.len() < request.len() {
+                conn = None; // the server closes after an ERR
+            }
+            if !pause.is_zero() {
+                std::thread::sleep(pause);
+            }
+        }
+    })
+}
+
+/// Credit used by `user` under `path` (limit `limit`), from a `PEEK` sent to
+/// `addr`; `None` when it did not answer `OK`.
+pub fn peek_used(addr: SocketAddr, path: &str, limit: i64, user: &str) -> Option<i64> {
+    let answers = converse(addr, &[format!("PEEK path={path} user={user}")]);
+    let (_, credit, _) = answers.first().and_then(|a| parse_ok(a))?;
+    Some(limit - 1 - credit)
+}
+
+/// One user per shard on `path=/big`, so probes touch every shard.
+pub fn probe_users(shards: u32) -> Vec<String> {
+    let mut users: Vec<Option<String>> = vec![None; shards as usize];
+    for i in 0.. {
+        let user = format!("probe{i}");
+        let slot = &mut users[shard_of_user(shards, "path=/big", 1_000_000, 600, &user) as usize];
+        if slot.is_none() {
+            *slot = Some(user);
+        }
+        if users.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    users.into_iter().flatten().collect()
+}
+
+/// Waits until a PEEK of every shard through `addr` answers `OK`; returns
+/// how long that took. Panics after `bound`.
+pub fn wait_shards_serve(addr: SocketAddr, shards: u32, bound: Duration) -> Duration {
+    let users = probe_users(shards);
+    let start = Instant::now();
+    loop {
+        let lines: Vec<String> = users
+            .iter()
+            .map(|u| format!("PEEK path=/big user={u}"))
+            .collect();
+        let answers = converse(addr, &lines);
+        if answers.len() == lines.len() && answers.iter().all(|a| a.starts_with("OK")) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < bound,
+            "shards still unavailable through {addr} after {:?}: {answers:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
