@@ -103,6 +103,11 @@ fn the_proxy_forwards_cuts_blackholes_delays_and_heals() {
     proxy.heal();
     let mut stream = connect(&proxy);
     assert!(echo(&mut stream, b"healed").is_some());
+    // The last echo's bytes are counted just after they are written.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while proxy.stats().bytes_forwarded < 38 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let forwarded = proxy.stats().bytes_forwarded;
     drop(proxy);
     // Dropping the proxy closes its connections.
@@ -293,6 +298,16 @@ fn isolated_leader_under_load(fault: Fault) {
         .iter()
         .filter(|h| matches!(h.answer, Answered::Err(_) | Answered::Lost))
         .collect();
+    for h in &majority_failed {
+        eprintln!(
+            "majority failure: node {} sent {:?} after the cut, answered in {:?}: {:?}",
+            h.node,
+            h.sent - cut_at,
+            h.answered - h.sent,
+            h.answer
+        );
+    }
+    eprintln!("elected {:?} after the cut", elected_at - cut_at);
     assert!(
         majority_failed.is_empty(),
         "the majority failed {} of {} hits after electing: {:?}",
