@@ -112,9 +112,15 @@ fn chaos(consistency: &str) -> (Vec<Hit>, Vec<(&'static str, Instant)>) {
         hits.len()
     );
     // The limit was reached during the run (the test exercised it).
-    assert!(denied > 0, "the limit was never reached: {admitted} admitted");
+    assert!(
+        denied > 0,
+        "the limit was never reached: {admitted} admitted"
+    );
     let used = peek_used(cluster.client(1), "/chaos", LIMIT as i64, "hot");
-    eprintln!("{consistency}: PEEK says {used:?} used (limit - 1 - credit: {} at the limit)", LIMIT - 1);
+    eprintln!(
+        "{consistency}: PEEK says {used:?} used (limit - 1 - credit: {} at the limit)",
+        LIMIT - 1
+    );
     (hits, events)
 }
 

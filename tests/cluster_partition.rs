@@ -206,7 +206,13 @@ fn isolated_leader_under_load(fault: Fault) {
     // The victim: the node leading the most shards.
     let topology = cluster.topology().unwrap();
     let victim = (1..=3)
-        .max_by_key(|&id| topology.placement.iter().filter(|s| s.leader == Some(id)).count())
+        .max_by_key(|&id| {
+            topology
+                .placement
+                .iter()
+                .filter(|s| s.leader == Some(id))
+                .count()
+        })
         .unwrap();
     let led: Vec<u32> = topology
         .placement
@@ -315,7 +321,10 @@ fn isolated_leader_under_load(fault: Fault) {
         majority_after.len(),
         majority_failed.first()
     );
-    assert!(majority_after.len() > 100, "too little load on the majority");
+    assert!(
+        majority_after.len() > 100,
+        "too little load on the majority"
+    );
 
     // 3. After healing: every node serves every shard; nothing sent once
     //    they all did fails.

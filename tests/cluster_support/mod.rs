@@ -547,7 +547,10 @@ pub fn spawn_load(
             next = (next + batch) % lines.len();
             let request: Vec<String> = indexes.iter().map(|&i| lines[i].clone()).collect();
             let sent = Instant::now();
-            let answers = conn.as_mut().map(|c| c.pipeline(&request)).unwrap_or_default();
+            let answers = conn
+                .as_mut()
+                .map(|c| c.pipeline(&request))
+                .unwrap_or_default();
             let answered = Instant::now();
             {
                 let mut log = log.lock().unwrap();
