@@ -97,6 +97,9 @@ pub struct TestCluster {
     pub proxies: BTreeMap<(u64, u64), Proxy>,
 }
 
+/// A shard's leader and term, as one node reports them.
+type LeaderView = (Option<u64>, u64);
+
 /// How [`TestCluster::isolate`] cuts a node off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -273,7 +276,7 @@ impl TestCluster {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let topology = self.wait_healthy(left.max(Duration::from_millis(1)));
-            let views: Vec<Option<Vec<(Option<u64>, u64)>>> = self
+            let views: Vec<Option<Vec<LeaderView>>> = self
                 .nodes
                 .iter()
                 .filter(|n| n.child.is_some())
