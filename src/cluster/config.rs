@@ -55,6 +55,30 @@ pub enum ClusterFileError {
     },
     #[error("this node's id {0} is not in the cluster file")]
     UnknownSelf(NodeId),
+    #[error("--peer-route {0}: {1}")]
+    PeerRoute(NodeId, String),
+}
+
+/// Parses a `--peer-route` value, `N=HOST:PORT` (a host name is resolved
+/// once, here).
+pub fn parse_peer_route(text: &str) -> Result<(NodeId, SocketAddr), String> {
+    use std::net::ToSocketAddrs;
+    let (id, addr) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected N=HOST:PORT, got '{text}'"))?;
+    let id: NodeId = id
+        .trim()
+        .parse()
+        .ok()
+        .filter(|&id| id >= 1)
+        .ok_or_else(|| format!("'{id}' is not a node id (an integer ≥ 1)"))?;
+    let addr = addr
+        .trim()
+        .to_socket_addrs()
+        .map_err(|error| format!("cannot resolve '{addr}': {error}"))?
+        .next()
+        .ok_or_else(|| format!("'{addr}' resolves to no address"))?;
+    Ok((id, addr))
 }
 
 /// One member of the cluster.
@@ -190,6 +214,31 @@ impl ClusterFile {
         )
     }
 
+    /// The addresses `--peer-route` gives for dialling peers (node → address),
+    /// checked: each names another node of this file, at most once.
+    pub fn peer_routes(
+        &self,
+        self_id: NodeId,
+        routes: &[(NodeId, SocketAddr)],
+    ) -> Result<BTreeMap<NodeId, SocketAddr>, ClusterFileError> {
+        let mut checked = BTreeMap::new();
+        for &(node, addr) in routes {
+            let why = if node == self_id {
+                Some("a node does not dial itself".to_string())
+            } else if !self.nodes.contains_key(&node) {
+                Some(format!("node {node} is not in the cluster file"))
+            } else if checked.insert(node, addr).is_some() {
+                Some(format!("node {node} is routed twice"))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(ClusterFileError::PeerRoute(node, why));
+            }
+        }
+        Ok(checked)
+    }
+
     /// A fingerprint of the layout every node must agree on for the
     /// cluster's life (shards and replicas). The member list is not in it:
     /// members change at run time (see `members.rs`), and a node added later
@@ -270,6 +319,29 @@ peer = 127.0.0.1:9323
         for (text, expected) in cases {
             let error = ClusterFile::parse(text).unwrap_err().to_string();
             assert!(error.contains(expected), "{text:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn peer_routes_name_other_nodes_once() {
+        let file = ClusterFile::parse(THREE).unwrap();
+        assert_eq!(
+            parse_peer_route("2=127.0.0.1:7000"),
+            Ok((2, "127.0.0.1:7000".parse().unwrap()))
+        );
+        for bad in ["2", "x=127.0.0.1:1", "0=127.0.0.1:1", "2=nowhere"] {
+            assert!(parse_peer_route(bad).is_err(), "{bad}");
+        }
+        let addr: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        let routes = file.peer_routes(1, &[(2, addr)]).unwrap();
+        assert_eq!(routes.get(&2), Some(&addr));
+        for (routes, expected) in [
+            (vec![(1, addr)], "does not dial itself"),
+            (vec![(9, addr)], "node 9 is not in the cluster file"),
+            (vec![(2, addr), (2, addr)], "routed twice"),
+        ] {
+            let error = file.peer_routes(1, &routes).unwrap_err().to_string();
+            assert!(error.contains(expected), "{error}");
         }
     }
 

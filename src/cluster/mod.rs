@@ -37,7 +37,6 @@ use crate::clock::Clock;
 use crate::engine::CommandExtension;
 use crate::rules::RuleSet;
 use crate::store::{Backend, MemoryStore};
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -136,6 +135,11 @@ pub struct ClusterArgs {
     /// node's counters; the log keeps at most this many entries plus 100).
     #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
+
+    /// Dial node N at this address instead of its cluster-file peer address
+    /// (NAT, SSH tunnels, fault-injection proxies). Repeatable: N=HOST:PORT.
+    #[arg(long = "peer-route", value_name = "N=HOST:PORT", value_parser = config::parse_peer_route)]
+    pub peer_routes: Vec<(NodeId, SocketAddr)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -288,6 +292,7 @@ pub fn start(
         .get(&id)
         .cloned()
         .ok_or(config::ClusterFileError::UnknownSelf(id))?;
+    let routes = file.peer_routes(id, &args.peer_routes)?;
     let placement = file.placement();
     let raft_config = raft_config(args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -305,7 +310,7 @@ pub fn start(
     let links = Arc::new(links::Links::new(
         hello.clone(),
         runtime.handle().clone(),
-        BTreeMap::new(),
+        routes,
     ));
     let leaders = Arc::new(LeaderTable::new(placement.shards()));
     let factory = node::GroupFactory {

@@ -1,8 +1,14 @@
 //! Helpers for the cluster tests: real `tollgate` processes on loopback
 //! (three nodes by default), killed with SIGKILL, restarted, and talked to
-//! over real sockets. Every wait is bounded.
+//! over real sockets. Every wait is bounded. A cluster started with
+//! [`TestCluster::start_proxied`] sends every directed peer link through its
+//! own fault-injection [`proxy::Proxy`], for partitions.
 #![allow(dead_code)]
 
+pub mod proxy;
+
+use proxy::Proxy;
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -24,6 +30,11 @@ matchPolicy = canary
 [path=/limited]
 creditLimit = 200
 resetSeconds = 60
+actorField = user
+
+[path=/chaos]
+creditLimit = 1000
+resetSeconds = 3600
 actorField = user
 
 [path=/big]
@@ -81,12 +92,38 @@ pub struct TestCluster {
     pub args: Vec<String>,
     pub rules_path: PathBuf,
     pub cluster_path: PathBuf,
+    /// With [`TestCluster::start_proxied`]: the proxy of each directed link
+    /// `(from, to)`, which node `from` dials instead of `to`'s peer port.
+    pub proxies: BTreeMap<(u64, u64), Proxy>,
+}
+
+/// A shard's leader and term, as one node reports them.
+type LeaderView = (Option<u64>, u64);
+
+/// How [`TestCluster::isolate`] cuts a node off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Connections closed, new ones refused: peers notice at once.
+    Cut,
+    /// Connections open, bytes dropped: peers notice only by timeouts.
+    Blackhole,
 }
 
 impl TestCluster {
     /// Starts `count` nodes with `shards` shards and extra `serve` flags, and
     /// waits until every shard has a leader.
     pub fn start(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_with(count, shards, args, false)
+    }
+
+    /// Like [`TestCluster::start`], with every directed peer link `i → j`
+    /// going through its own proxy (node `i` runs with `--peer-route
+    /// j=<proxy>`).
+    pub fn start_proxied(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_with(count, shards, args, true)
+    }
+
+    fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let ports = free_ports(count * 2);
         let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n");
@@ -110,12 +147,21 @@ impl TestCluster {
         std::fs::write(&cluster_path, cluster_file).unwrap();
         let rules_path = dir.path().join("rules.ini");
         std::fs::write(&rules_path, RULES).unwrap();
+        let mut proxies = BTreeMap::new();
+        if proxied {
+            for from in &nodes {
+                for to in nodes.iter().filter(|to| to.id != from.id) {
+                    proxies.insert((from.id, to.id), Proxy::start(to.peer));
+                }
+            }
+        }
         let mut cluster = TestCluster {
             dir,
             nodes,
             args: args.iter().map(|s| s.to_string()).collect(),
             rules_path,
             cluster_path,
+            proxies,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -141,7 +187,11 @@ impl TestCluster {
         let log_dir = self.dir.path().to_path_buf();
         let rules = rules.unwrap_or(&self.rules_path).clone();
         let cluster_path = self.cluster_path.clone();
-        let args = self.args.clone();
+        let mut args = self.args.clone();
+        for ((_, to), proxy) in self.proxies.range((id, 0)..=(id, u64::MAX)) {
+            args.push("--peer-route".to_string());
+            args.push(format!("{to}={}", proxy.addr));
+        }
         let node = self.node(id);
         node.restarts += 1;
         let log =
@@ -252,6 +302,84 @@ impl TestCluster {
         if let Some(mut child) = self.node(id).child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// Stops node `id` gracefully (SIGTERM: it drains its clients), then
+    /// SIGKILLs it if it is still running after `timeout`.
+    pub fn stop(&mut self, id: u64, timeout: Duration) {
+        let Some(pid) = self.node(id).pid() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        if self.wait_exit(id, timeout).is_none() {
+            eprintln!("node {id} ignored SIGTERM for {timeout:?}; killing it");
+        }
+        self.kill(id);
+    }
+
+    /// The proxy of the directed link `from → to` (proxied clusters only).
+    pub fn link(&self, from: u64, to: u64) -> &Proxy {
+        self.proxies
+            .get(&(from, to))
+            .unwrap_or_else(|| panic!("no proxy for link {from} -> {to}: use start_proxied"))
+    }
+
+    /// Cuts the directed link `from → to` (node `from`'s connection to `to`,
+    /// which carries `from`'s requests and `to`'s answers to them).
+    pub fn cut_link(&self, from: u64, to: u64) {
+        self.link(from, to).cut();
+    }
+
+    /// Cuts (or blackholes) every link to and from `node`.
+    pub fn isolate(&self, node: u64, fault: Fault) {
+        for (&(from, to), proxy) in &self.proxies {
+            if from == node || to == node {
+                match fault {
+                    Fault::Cut => proxy.cut(),
+                    Fault::Blackhole => proxy.blackhole(),
+                }
+            }
+        }
+    }
+
+    /// Heals every link (and clears delays).
+    pub fn heal_all(&self) {
+        for proxy in self.proxies.values() {
+            proxy.set_delay(0);
+            proxy.heal();
+        }
+    }
+
+    /// Waits until the cluster is healthy (see [`TestCluster::wait_healthy`])
+    /// and every live node, asked in turn, names the same leader and term
+    /// for every shard.
+    pub fn wait_converged(&self, timeout: Duration) -> Topology {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let topology = self.wait_healthy(left.max(Duration::from_millis(1)));
+            let views: Vec<Option<Vec<LeaderView>>> = self
+                .nodes
+                .iter()
+                .filter(|n| n.child.is_some())
+                .map(|n| {
+                    fetch_topology(&n.client.to_string(), Duration::from_secs(2))
+                        .ok()
+                        .map(|t| t.placement.iter().map(|s| (s.leader, s.term)).collect())
+                })
+                .collect();
+            let agreed = views.iter().all(|v| v.is_some() && *v == views[0]);
+            if agreed {
+                return topology;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nodes disagree on leaders after {timeout:?}: {views:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
@@ -425,5 +553,164 @@ impl Drop for SingleNode {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The shard of `user`'s counter under a rule (`operation` as the rule
+/// file's section, e.g. `path=/big`), in a cluster of `shards` shards on
+/// nodes 1..=3.
+pub fn shard_of_user(
+    shards: u32,
+    operation: &str,
+    limit: u64,
+    reset_seconds: u64,
+    user: &str,
+) -> u32 {
+    use tollgate::cluster::placement::{counter_key, stable_counter_id, Placement};
+    let placement = Placement::new(shards, 3, vec![1, 2, 3]);
+    let counter = stable_counter_id(operation, limit, reset_seconds * 1000, "fixed-window");
+    let mut key = Vec::new();
+    counter_key(&mut key, counter, user);
+    placement.shard_of(&key)
+}
+
+/// How a hit was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answered {
+    True,
+    False,
+    /// `ERR …`, with its text.
+    Err(String),
+    /// No answer: the connection closed (after an `ERR`) or failed.
+    Lost,
+}
+
+/// One hit sent by a load thread.
+#[derive(Debug, Clone)]
+pub struct Hit {
+    /// The node it was sent to.
+    pub node: u64,
+    /// Its index in the thread's lines.
+    pub line: usize,
+    pub sent: Instant,
+    pub answered: Instant,
+    pub answer: Answered,
+}
+
+pub type HitLog = std::sync::Arc<std::sync::Mutex<Vec<Hit>>>;
+
+/// A load thread on node `node`: sends `lines` round-robin, `batch` per
+/// pipelined request then `pause`, reconnecting after a close, and logs
+/// every hit until `stop`.
+pub fn spawn_load(
+    node: u64,
+    addr: SocketAddr,
+    lines: std::sync::Arc<Vec<String>>,
+    batch: usize,
+    pause: Duration,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    log: HitLog,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut conn: Option<Conn> = None;
+        let mut next = (node as usize * 7) % lines.len();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if conn.is_none() {
+                conn = Conn::open(addr).ok();
+                if conn.is_none() {
+                    // A refused connection is a lost hit, logged once per try.
+                    let now = Instant::now();
+                    log.lock().unwrap().push(Hit {
+                        node,
+                        line: next,
+                        sent: now,
+                        answered: now,
+                        answer: Answered::Lost,
+                    });
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            }
+            let indexes: Vec<usize> = (0..batch).map(|i| (next + i) % lines.len()).collect();
+            next = (next + batch) % lines.len();
+            let request: Vec<String> = indexes.iter().map(|&i| lines[i].clone()).collect();
+            let sent = Instant::now();
+            let answers = conn
+                .as_mut()
+                .map(|c| c.pipeline(&request))
+                .unwrap_or_default();
+            let answered = Instant::now();
+            {
+                let mut log = log.lock().unwrap();
+                for (position, &line) in indexes.iter().enumerate() {
+                    let answer = match answers.get(position) {
+                        Some(a) if a.starts_with("OK true") => Answered::True,
+                        Some(a) if a.starts_with("OK false") => Answered::False,
+                        Some(a) => Answered::Err(a.clone()),
+                        None => Answered::Lost,
+                    };
+                    log.push(Hit {
+                        node,
+                        line,
+                        sent,
+                        answered,
+                        answer,
+                    });
+                }
+            }
+            if answers.len() < request.len() {
+                conn = None; // the server closes after an ERR
+            }
+            if !pause.is_zero() {
+                std::thread::sleep(pause);
+            }
+        }
+    })
+}
+
+/// Credit used by `user` under `path` (limit `limit`), from a `PEEK` sent to
+/// `addr`; `None` when it did not answer `OK`.
+pub fn peek_used(addr: SocketAddr, path: &str, limit: i64, user: &str) -> Option<i64> {
+    let answers = converse(addr, &[format!("PEEK path={path} user={user}")]);
+    let (_, credit, _) = answers.first().and_then(|a| parse_ok(a))?;
+    Some(limit - 1 - credit)
+}
+
+/// One user per shard on `path=/big`, so probes touch every shard.
+pub fn probe_users(shards: u32) -> Vec<String> {
+    let mut users: Vec<Option<String>> = vec![None; shards as usize];
+    for i in 0.. {
+        let user = format!("probe{i}");
+        let slot = &mut users[shard_of_user(shards, "path=/big", 1_000_000, 600, &user) as usize];
+        if slot.is_none() {
+            *slot = Some(user);
+        }
+        if users.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    users.into_iter().flatten().collect()
+}
+
+/// Waits until a PEEK of every shard through `addr` answers `OK`; returns
+/// how long that took. Panics after `bound`.
+pub fn wait_shards_serve(addr: SocketAddr, shards: u32, bound: Duration) -> Duration {
+    let users = probe_users(shards);
+    let start = Instant::now();
+    loop {
+        let lines: Vec<String> = users
+            .iter()
+            .map(|u| format!("PEEK path=/big user={u}"))
+            .collect();
+        let answers = converse(addr, &lines);
+        if answers.len() == lines.len() && answers.iter().all(|a| a.starts_with("OK")) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < bound,
+            "shards still unavailable through {addr} after {:?}: {answers:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
