@@ -31,6 +31,8 @@ DURATION=${DURATION:-10}
 WARMUP=${WARMUP:-2}
 ACTORS=${ACTORS:-100000}
 FAILOVERS=${FAILOVERS:-3}
+SHARDS=${SHARDS:-64}
+export SHARDS
 BASE_PORT=${BASE_PORT:-28321}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
@@ -85,7 +87,7 @@ PY
 export RATE
 echo "open loop at $RATE hits/s" >&2
 open_load() { # open_load NAME TARGET CONNECTIONS RATE PREFIX
-  "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --rate "$4" \
+  "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline "$PIPELINE" --rate "$4" \
     --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix "$5" \
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" > "$OUT_DIR/$1.txt"
 }
