@@ -4,7 +4,8 @@
 //! only one that names openraft types; the rest of the server sees a
 //! [`Backend`](crate::store::Backend) and a `TOPOLOGY` command.
 //!
-//! Layout: [`config`] (the cluster file), [`placement`] (key → shard →
+//! Layout: [`config`] (the cluster file), `auth` (the shared secret and
+//! the peer-port handshake), [`placement`] (key → shard →
 //! replicas), [`storage`] (Raft log and state machine in memory),
 //! [`wire`] + [`codec`] (peer messages and their bytes), `links` (outgoing
 //! multiplexed peer connections, openraft's network), `shard` (a group's
@@ -14,6 +15,7 @@
 //! leaders). See docs/cluster.md for the model and its
 //! guarantees.
 
+mod auth;
 mod backend;
 pub mod client;
 pub mod codec;
@@ -120,6 +122,23 @@ pub struct ClusterArgs {
     /// node's counters; the log keeps at most this many entries plus 100).
     #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
+
+    /// File of the cluster's shared secret(s), one per line (blank lines and
+    /// # comments ignored): the first signs, all are accepted (rotation).
+    /// Peers must prove they hold it. Required in cluster mode (or
+    /// --cluster-secret). See docs/cluster.md, "Security of the peer port".
+    #[arg(long, value_name = "PATH")]
+    pub cluster_secret_file: Option<PathBuf>,
+
+    /// The cluster's shared secret(s), comma-separated (first signs);
+    /// prefer --cluster-secret-file (command lines are visible to others).
+    #[arg(
+        long,
+        value_name = "SECRET",
+        env = "TOLLGATE_CLUSTER_SECRET",
+        hide_env_values = true
+    )]
+    pub cluster_secret: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +160,10 @@ pub enum ClusterError {
     Shard { shard: u32, why: String },
     #[error("node {peer} refused this node: {why}")]
     Refused { peer: NodeId, why: String },
+    #[error(transparent)]
+    Secret(#[from] auth::SecretError),
+    #[error("no peer accepted this node: {0}")]
+    Unauthenticated(String),
 }
 
 /// Who leads each shard, as far as this node knows: written by the shard
@@ -267,6 +290,10 @@ pub fn start(
     };
     let file = ClusterFile::load(path)?;
     let id = args.node_id.ok_or(ClusterError::NoNodeId)?;
+    let secrets = Arc::new(auth::PeerSecrets::from_flags(
+        args.cluster_secret_file.as_deref(),
+        args.cluster_secret.as_deref(),
+    )?);
     let me = file
         .nodes
         .get(&id)
@@ -293,7 +320,13 @@ pub fn start(
             .map(|(&peer, addresses)| {
                 (
                     peer,
-                    links::PeerLink::spawn(peer, addresses.peer, hello.clone(), runtime.handle()),
+                    links::PeerLink::spawn(
+                        peer,
+                        addresses.peer,
+                        hello.clone(),
+                        Arc::clone(&secrets),
+                        runtime.handle(),
+                    ),
                 )
             })
             .collect(),
@@ -353,7 +386,7 @@ pub fn start(
             args.forward_timeout_ms.max(1),
             args.batch_ops_max.max(1),
         ));
-        tokio::spawn(node::serve_peers(listener, Arc::clone(&node)));
+        tokio::spawn(node::serve_peers(listener, Arc::clone(&node), secrets));
         node.join(args.join_wait_ms, args.raft_election_timeout_ms)
             .await?;
         tokio::spawn(Arc::clone(&node).poll_remote_leaders());

@@ -10,6 +10,7 @@
 //! *recovering* (see `shard.rs`) and catches up from the leader by log
 //! replay or snapshot.
 
+use super::auth::{self, PeerSecrets};
 use super::links::{LinkError, Links, PeerLink};
 use super::placement::Placement;
 use super::shard::{Recovery, ShardGroup, WorkItem};
@@ -198,9 +199,10 @@ impl ClusterNode {
     ) -> Result<(), ClusterError> {
         let deadline = Instant::now() + Duration::from_millis(join_wait_ms);
         let mut reports: BTreeMap<NodeId, NodeReport> = BTreeMap::new();
+        let mut unauthenticated: BTreeMap<NodeId, String> = BTreeMap::new();
         loop {
             for (&peer, link) in self.links.iter() {
-                if reports.contains_key(&peer) {
+                if reports.contains_key(&peer) || unauthenticated.contains_key(&peer) {
                     continue;
                 }
                 match link.call(PeerRequest::Status, STATUS_TIMEOUT_MS).await {
@@ -210,14 +212,21 @@ impl ClusterNode {
                     Err(LinkError::Refused(_, why)) => {
                         return Err(ClusterError::Refused { peer, why });
                     }
+                    Err(LinkError::Unauthenticated(_, why)) => {
+                        tracing::error!("{why}");
+                        unauthenticated.insert(peer, why);
+                    }
                     _ => {}
                 }
             }
-            if reports.len() == self.links.len() || Instant::now() >= deadline {
+            if reports.len() + unauthenticated.len() == self.links.len()
+                || Instant::now() >= deadline
+            {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        auth::check_join(reports.len(), &unauthenticated)?;
         let mut initialized = 0;
         let mut recovering = 0;
         for (&shard, group) in &self.groups {
@@ -375,11 +384,12 @@ async fn run_forwarder(
 }
 
 /// Serves the peer port until the process ends.
-pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>) {
+pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>, secrets: Arc<PeerSecrets>) {
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(serve_peer(stream, Arc::clone(&node)));
+            Ok((stream, remote)) => {
+                let secrets = Arc::clone(&secrets);
+                tokio::spawn(serve_peer(stream, remote, Arc::clone(&node), secrets));
             }
             Err(error) => {
                 tracing::warn!(%error, "peer accept failed");
@@ -415,8 +425,16 @@ fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), String> {
     Ok(())
 }
 
-async fn serve_peer(stream: TcpStream, node: Arc<ClusterNode>) {
+async fn serve_peer(
+    mut stream: TcpStream,
+    remote: std::net::SocketAddr,
+    node: Arc<ClusterNode>,
+    secrets: Arc<PeerSecrets>,
+) {
     let _ = stream.set_nodelay(true);
+    if !auth::accept_peer(&mut stream, Some(remote), &secrets).await {
+        return;
+    }
     let (mut read_half, mut write_half) = stream.into_split();
     let mut buf = Vec::new();
     let mut out = Vec::new();
