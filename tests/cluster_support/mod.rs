@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tollgate::cluster::status::fetch_topology;
@@ -49,6 +49,19 @@ resetSeconds = 60
 actorField = ip
 ";
 
+/// The cluster secret the test nodes share.
+pub const SECRET: &str = "test-cluster-secret-0123456789abcdef";
+
+/// Writes a secret file (mode 600) holding `secrets`, one per line.
+pub fn write_secret_file(path: &Path, secrets: &[&str]) {
+    std::fs::write(path, secrets.join("\n") + "\n").unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+}
+
 /// Ports that were free a moment ago (bound to port 0, then released).
 pub fn free_ports(count: usize) -> Vec<u16> {
     let listeners: Vec<TcpListener> = (0..count)
@@ -81,6 +94,8 @@ pub struct TestCluster {
     pub args: Vec<String>,
     pub rules_path: PathBuf,
     pub cluster_path: PathBuf,
+    /// The shared secret file every node is started with ([`SECRET`]).
+    pub secret_path: PathBuf,
 }
 
 impl TestCluster {
@@ -110,12 +125,15 @@ impl TestCluster {
         std::fs::write(&cluster_path, cluster_file).unwrap();
         let rules_path = dir.path().join("rules.ini");
         std::fs::write(&rules_path, RULES).unwrap();
+        let secret_path = dir.path().join("cluster.secret");
+        write_secret_file(&secret_path, &[SECRET]);
         let mut cluster = TestCluster {
             dir,
             nodes,
             args: args.iter().map(|s| s.to_string()).collect(),
             rules_path,
             cluster_path,
+            secret_path,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -138,6 +156,12 @@ impl TestCluster {
 
     /// Starts node `id` (again), optionally with another rule file.
     pub fn spawn(&mut self, id: u64, rules: Option<&PathBuf>) {
+        let secret = self.secret_path.clone();
+        self.spawn_with_secret(id, rules, &secret);
+    }
+
+    /// Starts node `id` (again) with another secret file.
+    pub fn spawn_with_secret(&mut self, id: u64, rules: Option<&PathBuf>, secret: &Path) {
         let log_dir = self.dir.path().to_path_buf();
         let rules = rules.unwrap_or(&self.rules_path).clone();
         let cluster_path = self.cluster_path.clone();
@@ -153,6 +177,9 @@ impl TestCluster {
             .arg("--node-id")
             .arg(id.to_string())
             .args(["--threads", "1"])
+            .arg("--cluster-secret-file")
+            .arg(secret)
+            .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&args)
             .arg(&rules)
             .stdout(Stdio::null())
