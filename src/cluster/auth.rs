@@ -431,15 +431,19 @@ fn should_log_refusal(ip: Option<IpAddr>, now: Instant) -> bool {
 /// The dialer's hook: what a failed handshake with node `target` means to
 /// the link (a refusal when secrets differ, else the peer is unreachable).
 pub fn link_error(target: NodeId, addr: SocketAddr, error: AuthError) -> LinkError {
-    match error {
-        AuthError::BadProof | AuthError::Refused => LinkError::Unauthenticated(
-            target,
-            format!(
-                "authentication failed: node {target} at {addr} does not hold the same cluster secret ({error})"
-            ),
+    let detail = match error {
+        AuthError::BadProof => "its proof matches none of our secrets",
+        AuthError::Refused => "it refused our proof",
+        other => {
+            return LinkError::Unreachable(target, format!("peer handshake with {addr}: {other}"))
+        }
+    };
+    LinkError::Unauthenticated(
+        target,
+        format!(
+            "authentication failed: node {target} at {addr} does not hold the same cluster secret ({detail})"
         ),
-        other => LinkError::Unreachable(target, format!("peer handshake with {addr}: {other}")),
-    }
+    )
 }
 
 /// The join's hook: a node that no peer accepted (every peer that answered
