@@ -76,14 +76,19 @@ fn a_node_with_the_wrong_secret_cannot_join_and_is_logged() {
         !log.contains("not-the-cluster-secret"),
         "the secret is never logged: {log}"
     );
-    // The nodes it dialed say why they refused it.
+    // The nodes it dialed say why they refused it (their logs may trail
+    // its exit by a moment).
     for id in [1, 2] {
-        let log = cluster.log(id);
-        assert!(
+        let refused = |log: &str| {
             log.contains("refused a peer connection from 127.0.0.1:")
-                && log.contains("wrong cluster secret (authentication failed)"),
-            "node {id}: {log}"
-        );
+                && log.contains("wrong cluster secret (authentication failed)")
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !refused(&cluster.log(id)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let log = cluster.log(id);
+        assert!(refused(&log), "node {id}: {log}");
         assert!(!log.contains(SECRET), "the secret is never logged: {log}");
     }
     // With the right secret it rejoins.
