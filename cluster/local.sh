@@ -6,7 +6,8 @@
 # Ports come from BASE_PORT (default 8321): node N serves clients on
 # BASE_PORT+N-1 and peers on BASE_PORT+1000+N-1. Logs, pids and the
 # generated cluster file live in RUN_DIR (default /tmp/tollgate-cluster-
-# $BASE_PORT). `up` and `start` return once the cluster serves (every node
+# $BASE_PORT), with the cluster secret, RUN_DIR/cluster.secret (mode 600,
+# generated on first use and kept). `up` and `start` return once the cluster serves (every node
 # up, every shard led), or fail after WAIT_SECONDS (default 30).
 #
 # Other settings: TOLLGATE (the binary; default target/release/tollgate,
@@ -49,11 +50,22 @@ write_cluster_file() {
   } > "$RUN_DIR/cluster.ini"
 }
 
+# The shared secret peers must prove they hold (see docs/cluster.md).
+ensure_secret() {
+  mkdir -p "$RUN_DIR"
+  if [[ ! -s "$RUN_DIR/cluster.secret" ]]; then
+    (umask 077; head -c 32 /dev/urandom | base64 > "$RUN_DIR/cluster.secret")
+  fi
+  chmod 600 "$RUN_DIR/cluster.secret"
+}
+
 start_node() {
   local n=$1
   if alive "$n"; then echo "node $n already runs (pid $(pid_of "$n"))"; return; fi
+  ensure_secret
   # shellcheck disable=SC2086
   nohup "$TOLLGATE" serve --cluster "$RUN_DIR/cluster.ini" --node-id "$n" \
+    --cluster-secret-file "$RUN_DIR/cluster.secret" \
     --consistency "$CONSISTENCY" ${EXTRA_ARGS:-} ${RULES:+"$RULES"} \
     >> "$RUN_DIR/node$n.log" 2>&1 &
   echo $! > "$RUN_DIR/node$n.pid"

@@ -4,14 +4,17 @@
 //! reshape the cluster); that node makes the next member list, pushes it to
 //! every node and says how many shards will move. The moves themselves run
 //! in the background on the shards' leaders; `tollgate cluster status` shows
-//! them.
+//! them. Like a peer, the command proves it holds the cluster secret first
+//! (`--cluster-secret-file`, or `TOLLGATE_CLUSTER_SECRET`).
 
+use super::auth::{self, PeerSecrets};
 use super::codec;
 use super::config::NodeAddresses;
 use super::wire::{AdminRequest, PeerResponse};
 use super::NodeId;
 use anyhow::{bail, Context};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
@@ -25,6 +28,17 @@ pub struct AdminTarget {
     /// How long to wait for the answer, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// The cluster's secret file (as given to `serve`).
+    #[arg(long, value_name = "PATH")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// The cluster's secret(s), comma-separated; prefer the file.
+    #[arg(
+        long,
+        value_name = "SECRET",
+        env = "TOLLGATE_CLUSTER_SECRET",
+        hide_env_values = true
+    )]
+    pub cluster_secret: Option<String>,
 }
 
 /// `tollgate cluster add-node`.
@@ -67,12 +81,16 @@ pub fn remove_node_command(args: &RemoveNodeArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<ExitCode> {
+    let secrets = PeerSecrets::from_flags(
+        target.cluster_secret_file.as_deref(),
+        target.cluster_secret.as_deref(),
+    )?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let timeout = Duration::from_millis(target.timeout_ms.max(1));
     let answer = runtime.block_on(async {
-        tokio::time::timeout(timeout, send(&target.node, request))
+        tokio::time::timeout(timeout, send(&target.node, &secrets, request))
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
@@ -95,10 +113,17 @@ fn run(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<ExitCode> 
 }
 
 /// Sends one operator request to a peer port and reads its answer.
-pub async fn send(node: &str, request: AdminRequest) -> anyhow::Result<Result<String, String>> {
+pub async fn send(
+    node: &str,
+    secrets: &PeerSecrets,
+    request: AdminRequest,
+) -> anyhow::Result<Result<String, String>> {
     let mut stream = tokio::net::TcpStream::connect(node)
         .await
         .with_context(|| format!("cannot connect to the peer port {node}"))?;
+    auth::authenticate_client(&mut stream, secrets)
+        .await
+        .with_context(|| format!("{node} did not accept the cluster secret"))?;
     let mut out = Vec::new();
     codec::encode_frame(&mut out, 1, &super::wire::PeerRequest::Admin(request))?;
     stream.write_all(&out).await?;

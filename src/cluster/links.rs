@@ -14,6 +14,7 @@
 //!
 //! This module also adapts links to openraft's `RaftNetwork` for one shard.
 
+use super::auth::{self, PeerSecrets};
 use super::codec;
 use super::storage::TollgateRaft;
 use super::wire::{Hello, NodeReport, PeerRequest, PeerResponse};
@@ -53,6 +54,9 @@ pub enum LinkError {
     Unreachable(NodeId, String),
     #[error("node {0} refused us: {1}")]
     Refused(NodeId, String),
+    /// The peer handshake failed: the two nodes' cluster secrets differ.
+    #[error("{1}")]
+    Unauthenticated(NodeId, String),
     #[error("node {0} did not answer within {1} ms")]
     Timeout(NodeId, u64),
     #[error("connection to node {0} lost: {1}")]
@@ -84,6 +88,7 @@ impl PeerLink {
         target: NodeId,
         addr: SocketAddr,
         hello: Hello,
+        secrets: Arc<PeerSecrets>,
         runtime: &tokio::runtime::Handle,
     ) -> Arc<PeerLink> {
         let (calls, receiver) = mpsc::unbounded_channel();
@@ -98,6 +103,7 @@ impl PeerLink {
             target,
             addr,
             hello,
+            secrets,
             receiver,
         ));
         link
@@ -140,6 +146,7 @@ async fn run_link(
     target: NodeId,
     addr: SocketAddr,
     hello: Hello,
+    secrets: Arc<PeerSecrets>,
     mut receiver: mpsc::UnboundedReceiver<Call>,
 ) {
     let mut last_failure: Option<(Instant, LinkError)> = None;
@@ -152,7 +159,7 @@ async fn run_link(
         }
         let connected = tokio::time::timeout(
             Duration::from_millis(CONNECT_TIMEOUT_MS),
-            connect(target, addr, &hello),
+            connect(target, addr, &hello, &secrets),
         )
         .await
         .unwrap_or_else(|_| {
@@ -180,16 +187,21 @@ async fn run_link(
     }
 }
 
-/// Connects and exchanges hellos; the peer refuses a mismatched hello.
+/// Connects, authenticates (both ways) and exchanges hellos; the peer
+/// refuses a mismatched hello.
 async fn connect(
     target: NodeId,
     addr: SocketAddr,
     hello: &Hello,
+    secrets: &PeerSecrets,
 ) -> Result<(TcpStream, NodeReport), LinkError> {
     let mut stream = TcpStream::connect(addr)
         .await
         .map_err(|error| LinkError::Unreachable(target, error.to_string()))?;
     let _ = stream.set_nodelay(true);
+    auth::authenticate_client(&mut stream, secrets)
+        .await
+        .map_err(|error| auth::link_error(target, addr, error))?;
     let mut out = Vec::new();
     codec::encode_frame(&mut out, 0, &PeerRequest::Hello(hello.clone()))
         .map_err(|error| LinkError::Encode(target, error.to_string()))?;
@@ -298,6 +310,8 @@ pub struct Links {
     /// Peers dialled somewhere other than their advertised peer address
     /// (`--peer-route`: NAT, tunnels, fault-injection proxies).
     routes: BTreeMap<NodeId, SocketAddr>,
+    /// The cluster secret every connection proves first (see `auth.rs`).
+    secrets: Arc<PeerSecrets>,
 }
 
 impl Links {
@@ -305,12 +319,14 @@ impl Links {
         hello: Hello,
         runtime: tokio::runtime::Handle,
         routes: BTreeMap<NodeId, SocketAddr>,
+        secrets: Arc<PeerSecrets>,
     ) -> Links {
         Links {
             links: RwLock::default(),
             hello,
             runtime,
             routes,
+            secrets,
         }
     }
 
@@ -331,7 +347,13 @@ impl Links {
         match links.get(&peer) {
             Some(link) if link.addr == addr => Arc::clone(link),
             _ => {
-                let link = PeerLink::spawn(peer, addr, self.hello.clone(), &self.runtime);
+                let link = PeerLink::spawn(
+                    peer,
+                    addr,
+                    self.hello.clone(),
+                    Arc::clone(&self.secrets),
+                    &self.runtime,
+                );
                 links.insert(peer, Arc::clone(&link));
                 link
             }
@@ -403,9 +425,13 @@ impl ShardNetwork {
                 &TransportError(why),
             ))),
             Ok(response) => Ok(response),
-            Err(error @ (LinkError::Unreachable(..) | LinkError::Refused(..))) => Err(
-                RPCError::Unreachable(Unreachable::new(&TransportError(error.to_string()))),
-            ),
+            Err(
+                error @ (LinkError::Unreachable(..)
+                | LinkError::Refused(..)
+                | LinkError::Unauthenticated(..)),
+            ) => Err(RPCError::Unreachable(Unreachable::new(&TransportError(
+                error.to_string(),
+            )))),
             Err(error) => Err(RPCError::Network(NetworkError::new(&TransportError(
                 error.to_string(),
             )))),

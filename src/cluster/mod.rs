@@ -5,7 +5,8 @@
 //! [`Backend`](crate::store::Backend) and a `TOPOLOGY` command.
 //!
 //! Layout: [`config`] (the cluster file), [`members`] (the member list at
-//! run time), [`placement`] (key → shard → replicas), [`storage`] (Raft log
+//! run time), `auth` (the shared secret and the peer-port handshake),
+//! [`placement`] (key → shard → replicas), [`storage`] (Raft log
 //! and state machine in memory), [`wire`] + [`codec`] (peer messages and
 //! their bytes), `links` (outgoing multiplexed peer connections, openraft's
 //! network), `shard` (a group's leader-side batching), `node` (joining,
@@ -16,6 +17,7 @@
 //! guarantees.
 
 pub mod admin;
+mod auth;
 mod backend;
 pub mod client;
 pub mod codec;
@@ -140,6 +142,23 @@ pub struct ClusterArgs {
     /// (NAT, SSH tunnels, fault-injection proxies). Repeatable: N=HOST:PORT.
     #[arg(long = "peer-route", value_name = "N=HOST:PORT", value_parser = config::parse_peer_route)]
     pub peer_routes: Vec<(NodeId, SocketAddr)>,
+
+    /// File of the cluster's shared secret(s), one per line (blank lines and
+    /// # comments ignored): the first signs, all are accepted (rotation).
+    /// Peers must prove they hold it. Required in cluster mode (or
+    /// --cluster-secret). See docs/cluster.md, "Security of the peer port".
+    #[arg(long, value_name = "PATH")]
+    pub cluster_secret_file: Option<PathBuf>,
+
+    /// The cluster's shared secret(s), comma-separated (first signs);
+    /// prefer --cluster-secret-file (command lines are visible to others).
+    #[arg(
+        long,
+        value_name = "SECRET",
+        env = "TOLLGATE_CLUSTER_SECRET",
+        hide_env_values = true
+    )]
+    pub cluster_secret: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -161,6 +180,10 @@ pub enum ClusterError {
     Shard { shard: u32, why: String },
     #[error("node {peer} refused this node: {why}")]
     Refused { peer: NodeId, why: String },
+    #[error(transparent)]
+    Secret(#[from] auth::SecretError),
+    #[error("no peer accepted this node: {0}")]
+    Unauthenticated(String),
 }
 
 /// Who leads each shard, as far as this node knows: written by the shard
@@ -287,6 +310,10 @@ pub fn start(
     };
     let file = ClusterFile::load(path)?;
     let id = args.node_id.ok_or(ClusterError::NoNodeId)?;
+    let secrets = Arc::new(auth::PeerSecrets::from_flags(
+        args.cluster_secret_file.as_deref(),
+        args.cluster_secret.as_deref(),
+    )?);
     let me = file
         .nodes
         .get(&id)
@@ -311,6 +338,7 @@ pub fn start(
         hello.clone(),
         runtime.handle().clone(),
         routes,
+        Arc::clone(&secrets),
     ));
     let leaders = Arc::new(LeaderTable::new(placement.shards()));
     let factory = node::GroupFactory {
@@ -343,7 +371,7 @@ pub fn start(
             args.raft_election_timeout_ms,
             args.shard_moves_max,
         ));
-        tokio::spawn(node::serve_peers(listener, Arc::clone(&node)));
+        tokio::spawn(node::serve_peers(listener, Arc::clone(&node), secrets));
         node.join(node::JoinSettings {
             join_wait_ms: args.join_wait_ms,
             join_existing: args.join_existing,

@@ -23,6 +23,7 @@
 //! replica that stays. A replica the shard's leader no longer lists is
 //! retired: its group stops and its counters are dropped.
 
+use super::auth::{self, PeerSecrets};
 use super::config::NodeAddresses;
 use super::links::{LinkError, Links, PeerLink};
 use super::members::Members;
@@ -386,10 +387,11 @@ impl ClusterNode {
     pub async fn join(&self, settings: JoinSettings) -> Result<(), ClusterError> {
         let deadline = Instant::now() + Duration::from_millis(settings.join_wait_ms);
         let mut reports: BTreeMap<NodeId, NodeReport> = BTreeMap::new();
+        let mut unauthenticated: BTreeMap<NodeId, String> = BTreeMap::new();
         let mut last_notice = Instant::now();
         loop {
             for (peer, link) in self.ensure_member_links() {
-                if reports.contains_key(&peer) {
+                if reports.contains_key(&peer) || unauthenticated.contains_key(&peer) {
                     continue;
                 }
                 match link.call(PeerRequest::Status, STATUS_TIMEOUT_MS).await {
@@ -398,6 +400,10 @@ impl ClusterNode {
                     }
                     Err(LinkError::Refused(_, why)) => {
                         return Err(ClusterError::Refused { peer, why });
+                    }
+                    Err(LinkError::Unauthenticated(_, why)) => {
+                        tracing::error!("{why}");
+                        unauthenticated.insert(peer, why);
                     }
                     _ => {}
                 }
@@ -408,10 +414,11 @@ impl ClusterNode {
                 .keys()
                 .filter(|&&n| n != self.id)
                 .count();
+            let all_answered = reports.len() + unauthenticated.len() >= peers;
             let done = if settings.join_existing {
-                !reports.is_empty()
+                !reports.is_empty() || all_answered
             } else {
-                reports.len() >= peers || Instant::now() >= deadline
+                all_answered || Instant::now() >= deadline
             };
             if done {
                 break;
@@ -425,6 +432,7 @@ impl ClusterNode {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        auth::check_join(reports.len(), &unauthenticated)?;
         let established = reports
             .values()
             .any(|report| report.shards.iter().any(|s| s.established));
@@ -1019,11 +1027,12 @@ async fn run_forwarder(
 }
 
 /// Serves the peer port until the process ends.
-pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>) {
+pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>, secrets: Arc<PeerSecrets>) {
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(serve_peer(stream, Arc::clone(&node)));
+            Ok((stream, remote)) => {
+                let secrets = Arc::clone(&secrets);
+                tokio::spawn(serve_peer(stream, remote, Arc::clone(&node), secrets));
             }
             Err(error) => {
                 tracing::warn!(%error, "peer accept failed");
@@ -1059,8 +1068,16 @@ fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), String> {
     Ok(())
 }
 
-async fn serve_peer(stream: TcpStream, node: Arc<ClusterNode>) {
+async fn serve_peer(
+    mut stream: TcpStream,
+    remote: std::net::SocketAddr,
+    node: Arc<ClusterNode>,
+    secrets: Arc<PeerSecrets>,
+) {
     let _ = stream.set_nodelay(true);
+    if !auth::accept_peer(&mut stream, Some(remote), &secrets).await {
+        return;
+    }
     let (mut read_half, mut write_half) = stream.into_split();
     let mut buf = Vec::new();
     let mut out = Vec::new();

@@ -11,7 +11,7 @@ use proxy::Proxy;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tollgate::cluster::status::fetch_topology;
@@ -60,6 +60,19 @@ resetSeconds = 60
 actorField = ip
 ";
 
+/// The cluster secret the test nodes share.
+pub const SECRET: &str = "test-cluster-secret-0123456789abcdef";
+
+/// Writes a secret file (mode 600) holding `secrets`, one per line.
+pub fn write_secret_file(path: &Path, secrets: &[&str]) {
+    std::fs::write(path, secrets.join("\n") + "\n").unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+}
+
 /// Ports that were free a moment ago (bound to port 0, then released).
 pub fn free_ports(count: usize) -> Vec<u16> {
     let listeners: Vec<TcpListener> = (0..count)
@@ -95,6 +108,8 @@ pub struct TestCluster {
     /// With [`TestCluster::start_proxied`]: the proxy of each directed link
     /// `(from, to)`, which node `from` dials instead of `to`'s peer port.
     pub proxies: BTreeMap<(u64, u64), Proxy>,
+    /// The shared secret file every node is started with ([`SECRET`]).
+    pub secret_path: PathBuf,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -155,6 +170,8 @@ impl TestCluster {
                 }
             }
         }
+        let secret_path = dir.path().join("cluster.secret");
+        write_secret_file(&secret_path, &[SECRET]);
         let mut cluster = TestCluster {
             dir,
             nodes,
@@ -162,6 +179,7 @@ impl TestCluster {
             rules_path,
             cluster_path,
             proxies,
+            secret_path,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -184,6 +202,12 @@ impl TestCluster {
 
     /// Starts node `id` (again), optionally with another rule file.
     pub fn spawn(&mut self, id: u64, rules: Option<&PathBuf>) {
+        let secret = self.secret_path.clone();
+        self.spawn_with_secret(id, rules, &secret);
+    }
+
+    /// Starts node `id` (again) with another secret file.
+    pub fn spawn_with_secret(&mut self, id: u64, rules: Option<&PathBuf>, secret: &Path) {
         let log_dir = self.dir.path().to_path_buf();
         let rules = rules.unwrap_or(&self.rules_path).clone();
         let cluster_path = self.cluster_path.clone();
@@ -203,6 +227,9 @@ impl TestCluster {
             .arg("--node-id")
             .arg(id.to_string())
             .args(["--threads", "1"])
+            .arg("--cluster-secret-file")
+            .arg(secret)
+            .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&args)
             .arg(&rules)
             .stdout(Stdio::null())
@@ -241,6 +268,9 @@ impl TestCluster {
             .arg(id.to_string())
             .arg("--join")
             .args(["--threads", "1"])
+            .arg("--cluster-secret-file")
+            .arg(&self.secret_path)
+            .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&self.args)
             .arg(&self.rules_path)
             .stdout(Stdio::null())
@@ -259,6 +289,9 @@ impl TestCluster {
             .args(command)
             .arg("--node")
             .arg(self.nodes[(via - 1) as usize].peer.to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret_path)
+            .env_remove("TOLLGATE_CLUSTER_SECRET")
             .output()
             .expect("run tollgate cluster");
         let text = format!(
