@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs a three-node Tollgate cluster on loopback.
 #
-#   cluster/local.sh up | down | status | kill N | start N
+#   cluster/local.sh up | down | status | kill N | start N | join N | remove N
+#
+# `join N` starts node N (4, 5, …) with `serve --join` and adds it with
+# `tollgate cluster add-node`; `remove N` removes node N from the cluster
+# with `tollgate cluster remove-node` (it keeps running until `kill N`).
+# Both return once every shard sits on its new replicas.
 #
 # Ports come from BASE_PORT (default 8321): node N serves clients on
 # BASE_PORT+N-1 and peers on BASE_PORT+1000+N-1. Logs, pids and the
@@ -22,6 +27,10 @@ SHARDS=${SHARDS:-64}
 CONSISTENCY=${CONSISTENCY:-strict}
 WAIT_SECONDS=${WAIT_SECONDS:-30}
 NODES=3
+# Nodes this run dir knows: the first three, plus any joined since.
+node_ids() {
+  { seq 1 $NODES; ls "$RUN_DIR" 2>/dev/null | sed -n 's/^node\([0-9][0-9]*\)\.pid$/\1/p'; } | sort -nu
+}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 if [[ -z "${TOLLGATE:-}" ]]; then
@@ -60,11 +69,12 @@ ensure_secret() {
 }
 
 start_node() {
-  local n=$1
+  local n=$1 file=$RUN_DIR/cluster.ini
   if alive "$n"; then echo "node $n already runs (pid $(pid_of "$n"))"; return; fi
   ensure_secret
+  [[ -f "$RUN_DIR/cluster-$n.ini" ]] && file=$RUN_DIR/cluster-$n.ini
   # shellcheck disable=SC2086
-  nohup "$TOLLGATE" serve --cluster "$RUN_DIR/cluster.ini" --node-id "$n" \
+  nohup "$TOLLGATE" serve --cluster "$file" --node-id "$n" ${JOIN_FLAG:-} \
     --cluster-secret-file "$RUN_DIR/cluster.secret" \
     --consistency "$CONSISTENCY" ${EXTRA_ARGS:-} ${RULES:+"$RULES"} \
     >> "$RUN_DIR/node$n.log" 2>&1 &
@@ -73,7 +83,7 @@ start_node() {
 }
 
 first_live_client() {
-  for n in $(seq 1 $NODES); do
+  for n in $(node_ids); do
     if alive "$n"; then echo "127.0.0.1:$(client_port "$n")"; return; fi
   done
   return 1
@@ -84,11 +94,11 @@ wait_serving() {
   local deadline=$((SECONDS + WAIT_SECONDS))
   while (( SECONDS < deadline )); do
     local ok=1
-    for n in $(seq 1 $NODES); do
+    for n in $(node_ids); do
       if alive "$n" && ! "$TOLLGATE" cluster status --node "127.0.0.1:$(client_port "$n")" \
           --timeout-ms 1000 > "$RUN_DIR/status.txt" 2>&1; then ok=0; fi
     done
-    for n in $(seq 1 $NODES); do
+    for n in $(node_ids); do
       if alive "$n" && grep -Eq "^$n +DOWN" "$RUN_DIR/status.txt"; then ok=0; fi
     done
     if (( ok )) && grep -q "answered by" "$RUN_DIR/status.txt" \
@@ -100,6 +110,39 @@ wait_serving() {
     sleep 0.2
   done
   echo "cluster did not serve within ${WAIT_SECONDS}s; logs in $RUN_DIR" >&2
+  return 1
+}
+
+# The peer address of a running node other than $1.
+first_live_peer() {
+  local n
+  for n in $(node_ids); do
+    if [[ "$n" != "$1" ]] && alive "$n"; then echo "127.0.0.1:$(peer_port "$n")"; return; fi
+  done
+  return 1
+}
+
+first_live_other() {
+  local n
+  for n in $(node_ids); do
+    if [[ "$n" != "$1" ]] && alive "$n"; then echo "$n"; return; fi
+  done
+  return 1
+}
+
+# Waits until node $1 sees every shard on its target replicas.
+wait_settled() {
+  local deadline=$((SECONDS + WAIT_SECONDS * 4))
+  while (( SECONDS < deadline )); do
+    if "$TOLLGATE" cluster status --check --settled --node "127.0.0.1:$(client_port "$1")" \
+        --timeout-ms 1000 > "$RUN_DIR/status.txt" 2>&1; then
+      echo "every shard is on its replicas (run dir $RUN_DIR)"
+      return 0
+    fi
+    sleep 0.5
+  done
+  cat "$RUN_DIR/status.txt" >&2
+  echo "shards did not settle within $((WAIT_SECONDS * 4))s; logs in $RUN_DIR" >&2
   return 1
 }
 
@@ -120,7 +163,7 @@ case "${1:-}" in
     wait_serving
     ;;
   down)
-    for n in $(seq 1 $NODES); do stop_node "$n" TERM; done
+    for n in $(node_ids); do stop_node "$n" TERM; done
     ;;
   status)
     client=$(first_live_client) || { echo "no node is running"; exit 1; }
@@ -136,8 +179,32 @@ case "${1:-}" in
     start_node "$2"
     wait_serving
     ;;
+  join)
+    [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "usage: $0 join N" >&2; exit 2; }
+    n=$2
+    { cat "$RUN_DIR/cluster.ini"; printf '\n[node %s]\nclient = 127.0.0.1:%s\npeer = 127.0.0.1:%s\n' \
+        "$n" "$(client_port "$n")" "$(peer_port "$n")"; } > "$RUN_DIR/cluster-$n.ini"
+    JOIN_FLAG=--join start_node "$n"
+    for _ in $(seq 1 $((WAIT_SECONDS * 5))); do
+      "$TOLLGATE" cluster status --node "127.0.0.1:$(client_port "$n")" --timeout-ms 500 \
+        > /dev/null 2>&1 && break
+      sleep 0.2
+    done
+    via=$(first_live_peer "$n") || { echo "no member is running" >&2; exit 1; }
+    "$TOLLGATE" cluster add-node "$n" --client "127.0.0.1:$(client_port "$n")" \
+      --peer "127.0.0.1:$(peer_port "$n")" --node "$via" \
+      --cluster-secret-file "$RUN_DIR/cluster.secret"
+    wait_settled "$n"
+    ;;
+  remove)
+    [[ "${2:-}" =~ ^[0-9]+$ ]] || { echo "usage: $0 remove N" >&2; exit 2; }
+    via=$(first_live_peer "$2") || { echo "no other node is running" >&2; exit 1; }
+    "$TOLLGATE" cluster remove-node "$2" --node "$via" \
+      --cluster-secret-file "$RUN_DIR/cluster.secret"
+    wait_settled "$(first_live_other "$2")"
+    ;;
   *)
-    echo "usage: $0 up | down | status | kill N | start N" >&2
+    echo "usage: $0 up | down | status | kill N | start N | join N | remove N" >&2
     exit 2
     ;;
 esac

@@ -280,6 +280,20 @@ fn membership_requests_are_validated_with_clear_errors() {
         text.contains("node 5 does not answer") && text.contains("--join"),
         "{text}"
     );
+    // Without the cluster secret, the request is not even heard.
+    let wrong = cluster.dir.path().join("wrong.secret");
+    write_secret_file(&wrong, &["not-the-cluster-secret-0123456789"]);
+    let output = std::process::Command::new(TOLLGATE)
+        .args(["cluster", "remove-node", "3", "--node"])
+        .arg(cluster.nodes[0].peer.to_string())
+        .arg("--cluster-secret-file")
+        .arg(&wrong)
+        .env_remove("TOLLGATE_CLUSTER_SECRET")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(text.contains("did not accept the cluster secret"), "{text}");
     // Refused requests leave the member list alone.
     let topology = cluster.topology().unwrap();
     assert_eq!(topology.members_epoch, 0);
