@@ -1119,6 +1119,8 @@ async fn serve_peer(
     let writer = tokio::spawn(async move {
         let mut out = Vec::new();
         while let Some((id, response)) = to_write.recv().await {
+            // As on the dialling side: gather the answers finished meanwhile.
+            tokio::task::yield_now().await;
             out.clear();
             let mut next = Some((id, response));
             while let Some((id, response)) = next.take() {

@@ -38,6 +38,8 @@ pub const WORK_QUEUE_ITEMS_MAX: usize = 65_536;
 /// One on purpose: while it is in flight, hits queue up and the next
 /// proposal carries them all, so entries stay few and large under load.
 const PROPOSALS_IN_FLIGHT_MAX: usize = 1;
+/// Strict mode: how often an idle worker checks for a handover, in ms.
+const STRICT_TICK_MS: u64 = 20;
 
 /// Hits for one shard, answered per op in order.
 pub struct WorkItem {
@@ -166,11 +168,10 @@ impl ShardGroup {
         Ok(())
     }
 
-    /// Checks at once whether recovery is over (for a replica whose peers
-    /// had nothing applied).
-    pub fn check_caught_up_now(&self) {
-        let applied = self.raft.metrics().borrow().last_applied;
-        self.check_caught_up(applied);
+    /// Ends recovery as soon as the replica has applied what its peers had
+    /// (at once when they had nothing applied).
+    pub fn check_caught_up_now(self: &Arc<Self>) {
+        tokio::spawn(watch_recovery(Arc::downgrade(self)));
     }
 
     /// Ends recovery once everything the peers had applied is applied here.
@@ -222,28 +223,53 @@ impl ShardGroup {
     }
 }
 
-/// Publishes the group's leader to the node's table and ends recovery.
+/// Publishes the group's leader to the node's table. It watches the
+/// server metrics, which change with leadership and membership only (not on
+/// every commit, as the full metrics do), so it wakes rarely under load.
 async fn watch_leadership(group: std::sync::Weak<ShardGroup>, leaders: Arc<LeaderTable>) {
-    let Some(mut metrics) = group.upgrade().map(|g| g.raft.metrics()) else {
+    let Some(mut server) = group.upgrade().map(|g| g.raft.server_metrics()) else {
         return;
     };
     loop {
         {
             let Some(group) = group.upgrade() else { return };
-            let m = metrics.borrow_and_update();
+            let m = server.borrow_and_update();
+            leaders.set(group.shard, m.current_leader, m.vote.leader_id.term);
+        }
+        if server.changed().await.is_err() {
+            // The group stopped. Shut down on purpose (a retired replica):
+            // the node already points the shard elsewhere. A fatal error:
+            // the group cannot serve again in this process; its peers still
+            // can (the node is one replica of three).
+            let Some(group) = group.upgrade() else { return };
+            let m = group.raft.metrics().borrow().clone();
             if let Err(fatal) = &m.running_state {
-                // The group cannot serve again in this process; its peers
-                // still can (the node is one replica of three).
-                tracing::error!(shard = group.shard, %fatal, "shard group stopped");
-                leaders.set(group.shard, None, m.current_term);
+                if !matches!(fatal, openraft::error::Fatal::Stopped) {
+                    tracing::error!(shard = group.shard, %fatal, "shard group stopped");
+                    leaders.set(group.shard, None, m.current_term);
+                }
+            }
+            return;
+        }
+    }
+}
+
+/// Ends a replica's recovery once it has applied what its peers had: watches
+/// what it applies until then (then stops, so it costs nothing later).
+async fn watch_recovery(group: std::sync::Weak<ShardGroup>) {
+    let Some(mut data) = group.upgrade().map(|g| g.raft.data_metrics()) else {
+        return;
+    };
+    loop {
+        {
+            let Some(group) = group.upgrade() else { return };
+            let applied = data.borrow_and_update().last_applied;
+            group.check_caught_up(applied);
+            if !group.recovering() {
                 return;
             }
-            leaders.set(group.shard, m.current_leader, m.current_term);
-            let applied = m.last_applied;
-            drop(m);
-            group.check_caught_up(applied);
         }
-        if metrics.changed().await.is_err() {
+        if data.changed().await.is_err() {
             return;
         }
     }
@@ -272,9 +298,13 @@ struct Worker {
 
 impl Worker {
     async fn run(mut self, mut queue: mpsc::Receiver<WorkItem>) {
-        let mut tick = tokio::time::interval(Duration::from_millis(
-            self.settings.replication_interval_ms.max(1),
-        ));
+        // Fast mode proposes what it decided every tick; strict mode only
+        // needs the tick to notice a handover's quiet point.
+        let tick_ms = match self.settings.consistency {
+            Consistency::Fast => self.settings.replication_interval_ms.max(1),
+            Consistency::Strict => STRICT_TICK_MS,
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(tick_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
