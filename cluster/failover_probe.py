@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Measures a failover: SIGKILLs a node, then hits one actor per shard
-through a surviving node, pipelined, every few milliseconds, until every
-shard answers OK again. Prints `failover_ms=N errors=N rounds=N`: N ms from
-the kill until the last shard answered OK (the first round in which all did).
+"""Measures a failover as clients see it: SIGKILLs a node, then sends rounds
+of hits, one actor per shard or more (8 actors per shard on average),
+through a surviving node, pipelined, back to back. A round is *disturbed*
+when an answer is not OK or when it takes much longer than the rounds before
+the kill (hits whose shard has no leader wait for the new one instead of
+failing, up to --forward-timeout-ms). Prints
+`failover_ms=N errors=N slowest_round_ms=N`: N ms from the kill until the
+end of the last disturbed round, i.e. until every shard answered again.
 
-Used by cluster/bench.sh. The actors are found by asking the node: `PEEK`
-answers do not say the shard, so the probe uses many actors (8 per shard on
-average) and considers the cluster serving when a whole round answers OK.
+Used by cluster/bench.sh.
 """
 import argparse
 import os
 import signal
 import socket
+import statistics
 import time
 
 
@@ -23,50 +26,63 @@ def main():
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds")
     args = parser.parse_args()
     host, port = args.node.rsplit(":", 1)
-    conn = socket.create_connection((host, int(port)), timeout=5)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    reader = conn.makefile("rb")
     actors = args.shards * 8
     batch = b"".join(b"HIT path=/bench user=probe%d\n" % i for i in range(actors))
+    state = {}
+
+    def connect():
+        conn = socket.create_connection((host, int(port)), timeout=10)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        state["conn"], state["reader"] = conn, conn.makefile("rb")
 
     def round_trip():
-        nonlocal conn, reader
+        """(all answers OK, errors, seconds)."""
+        started = time.monotonic()
         try:
-            conn.sendall(batch)
-            answers = [reader.readline() for _ in range(actors)]
+            state["conn"].sendall(batch)
+            answers = [state["reader"].readline() for _ in range(actors)]
         except OSError:
             answers = []
+        took = time.monotonic() - started
         if len(answers) < actors or any(not a for a in answers):
             # The node closes a connection after an ERR line: reconnect.
-            conn.close()
-            conn = socket.create_connection((host, int(port)), timeout=5)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = conn.makefile("rb")
-            return False, actors
+            state["conn"].close()
+            connect()
+            return False, actors, took
         errors = sum(1 for a in answers if not a.startswith(b"OK "))
-        return errors == 0, errors
+        return errors == 0, errors, took
 
-    ok, _ = round_trip()
-    if not ok:
-        print("failover_ms=nan errors=before-kill rounds=0")
-        return
+    connect()
+    before = []
+    for _ in range(5):
+        ok, _, took = round_trip()
+        if not ok:
+            print("failover_ms=nan errors=before-kill slowest_round_ms=nan")
+            return
+        before.append(took)
+    usual = statistics.median(before)
+    slow = max(4 * usual, usual + 0.05)
     killed = time.monotonic()
     os.kill(args.pid, signal.SIGKILL)
     errors_total = 0
-    rounds = 0
-    saw_error = False
+    last_disturbed_end = None
+    calm_rounds = 0
+    slowest = 0.0
     while time.monotonic() - killed < args.timeout:
-        rounds += 1
-        ok, errors = round_trip()
+        ok, errors, took = round_trip()
         errors_total += errors
-        saw_error = saw_error or errors > 0
-        if ok and saw_error:
+        slowest = max(slowest, took)
+        if not ok or took > slow:
+            last_disturbed_end = time.monotonic()
+            calm_rounds = 0
+        else:
+            calm_rounds += 1
+        if last_disturbed_end is not None and calm_rounds >= 5:
             break
-        if ok and time.monotonic() - killed > 3.0:
-            break  # No shard lost its leader (the node led none).
-        time.sleep(0.005)
-    served = time.monotonic()
-    print(f"failover_ms={(served - killed) * 1000:.0f} errors={errors_total} rounds={rounds}")
+        if last_disturbed_end is None and time.monotonic() - killed > 3.0:
+            break  # Nothing was disturbed: the node led no shard.
+    failover = (last_disturbed_end - killed) * 1000 if last_disturbed_end else 0.0
+    print(f"failover_ms={failover:.0f} errors={errors_total} slowest_round_ms={slowest * 1000:.0f}")
 
 
 if __name__ == "__main__":

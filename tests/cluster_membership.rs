@@ -1,8 +1,8 @@
 //! Run-time membership on real processes: a fourth node joins a serving
 //! three-node cluster with `tollgate cluster add-node`, then a node that leads
 //! shards is removed with `remove-node`, all under load. Counters survive
-//! both moves; the only errors are the documented `unavailable` answers while
-//! a leaving leader hands its shards over.
+//! both moves, and clients see no error: hits on a shard whose leader hands
+//! it over wait for the successor.
 
 mod cluster_support;
 
@@ -182,23 +182,14 @@ fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
     }
     let seen = seen.lock().unwrap();
     let removal_errors = &seen.errors[errors_before_remove..];
-    // The documented moments: hits on a shard whose leader is handing it
-    // over answer `unavailable` until the successor leads.
-    for (_, error) in removal_errors {
-        assert!(
-            error.starts_with("ERR unknown \"shard ") && error.contains("unavailable"),
-            "an undocumented error during the removal: {error}"
-        );
-    }
-    if let (Some(first), Some(last)) = (removal_errors.first(), removal_errors.last()) {
-        let window = last.0 - first.0;
-        assert!(
-            window < Duration::from_secs(10),
-            "errors spread over {window:?}: {removal_errors:?}"
-        );
-    }
+    // Hits on a shard whose leader hands it over wait for the successor (they
+    // were not counted, so they are sent again) instead of failing.
+    assert!(
+        removal_errors.is_empty(),
+        "errors during the removal: {removal_errors:?}"
+    );
     eprintln!(
-        "add settled in {add_took:?}, {on_new} shards gained node 4; removal settled in {remove_took:?}; node 1 led {leads_1} shards; {} unavailable answers during the removal, {} hits admitted in all",
+        "add settled in {add_took:?}, {on_new} shards gained node 4; removal settled in {remove_took:?}; node 1 led {leads_1} shards; {} errors during the removal, {} hits admitted in all",
         removal_errors.len(),
         seen.ok
     );

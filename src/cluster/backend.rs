@@ -4,7 +4,8 @@
 //! forwarder (batched over the persistent peer connection). Answers come
 //! back as one future, in op order. With no known leader, or when the leader
 //! does not answer within `forward_timeout_ms`, the op answers
-//! `shard N unavailable: …` at once: a hit never hangs.
+//! `shard N unavailable: …`: a hit never hangs. Hits that were not decided
+//! (so not counted) are sent again to the shard's new leader until then.
 //!
 //! Also answers the `TOPOLOGY` command (see [`super::status`]).
 
@@ -14,7 +15,7 @@ use super::wire::{WireDecision, WireOp};
 use crate::engine::{CommandExtension, Outcome, Reply};
 use crate::limiter::Decision;
 use crate::protocol::{Pairs, Verb};
-use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions, StoreFull};
+use crate::store::{Backend, BackendError, CounterOp, Decided, StoreFull};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -34,11 +35,18 @@ fn to_result(decision: WireDecision) -> Result<Decision, BackendError> {
             credit,
             next_reset_seconds,
         }),
-        WireDecision::Unavailable(why) => Err(BackendError::ShardUnavailable(why)),
+        WireDecision::Unavailable(why) | WireDecision::Retry(why) => {
+            Err(BackendError::ShardUnavailable(why))
+        }
         WireDecision::Full { live_keys_max } => Err(BackendError::Full(StoreFull {
             live_keys_max: usize::try_from(live_keys_max).unwrap_or(usize::MAX),
         })),
     }
+}
+
+/// The final answer of one op (a `Retry` left at the deadline is an error).
+fn finish(decision: Option<WireDecision>) -> Result<Decision, BackendError> {
+    to_result(decision.unwrap_or_else(|| WireDecision::Unavailable("not decided".into())))
 }
 
 /// The wire form of an op: self-contained, resolvable on any node.
@@ -62,72 +70,111 @@ pub fn wire_op(op: &CounterOp<'_>) -> WireOp {
 
 type Waiting = (u32, Vec<usize>, oneshot::Receiver<Vec<WireDecision>>);
 
+/// Pause before a hit that was not decided (no leader yet, leader moving) is
+/// sent again to whoever leads its shard by then.
+const RETRY_PAUSE_MS: u64 = 25;
+
+/// Sends the ops at `positions` to their shards' leaders (ops of one shard
+/// travel together, in order). Ops that cannot be sent get their answer in
+/// `results` at once; the others are returned to wait for.
+fn route(
+    node: &ClusterNode,
+    ops: &[WireOp],
+    shards: &[u32],
+    positions: &[usize],
+    results: &mut [Option<WireDecision>],
+) -> Vec<Waiting> {
+    let mut groups: Vec<(u32, Vec<usize>, Vec<WireOp>)> = Vec::new();
+    for &position in positions {
+        let shard = shards[position];
+        let op = ops[position].clone();
+        match groups.iter_mut().find(|(s, _, _)| *s == shard) {
+            Some((_, positions, group)) => {
+                positions.push(position);
+                group.push(op);
+            }
+            None => groups.push((shard, vec![position], vec![op])),
+        }
+    }
+    let mut waiting = Vec::new();
+    for (shard, positions, group) in groups {
+        let submitted = match node.leaders.leader(shard) {
+            None => Err(WireDecision::Retry(format!(
+                "shard {shard} unavailable: no leader (election in progress)"
+            ))),
+            Some(leader) if leader == node.id => node.submit_local(shard, group),
+            Some(leader) => node.submit_forward(leader, shard, group),
+        };
+        match submitted {
+            Ok(answer) => waiting.push((shard, positions, answer)),
+            Err(decision) => {
+                for position in positions {
+                    results[position] = Some(decision.clone());
+                }
+            }
+        }
+    }
+    waiting
+}
+
 impl Backend for ClusterBackend {
+    /// Hits that were not decided and so not counted (`WireDecision::Retry`:
+    /// no leader known, a leader handing over, a leader that could not be
+    /// reached) are sent again, every [`RETRY_PAUSE_MS`], to whoever leads
+    /// their shard then, until `forward_timeout_ms` is spent: a failover or a
+    /// handover shows as latency rather than errors when it ends in time.
     fn decide(&self, ops: &[CounterOp<'_>], _now_ms: u64) -> Decided {
-        let node = &self.node;
-        let mut results: Decisions = ops
+        let node = Arc::clone(&self.node);
+        let wire: Vec<WireOp> = ops.iter().map(wire_op).collect();
+        let shards: Vec<u32> = wire
             .iter()
-            .map(|_| Err(BackendError::ShardUnavailable("not decided".into())))
+            .map(|op| node.placement.shard_of(&op.key))
             .collect();
-        // Ops of one request going to the same shard travel together, in order.
-        let mut groups: Vec<(u32, Vec<usize>, Vec<WireOp>)> = Vec::new();
-        for (position, op) in ops.iter().enumerate() {
-            let op = wire_op(op);
-            let shard = node.placement.shard_of(&op.key);
-            match groups.iter_mut().find(|(s, _, _)| *s == shard) {
-                Some((_, positions, group)) => {
-                    positions.push(position);
-                    group.push(op);
-                }
-                None => groups.push((shard, vec![position], vec![op])),
-            }
+        let all: Vec<usize> = (0..wire.len()).collect();
+        let mut results: Vec<Option<WireDecision>> = vec![None; wire.len()];
+        let waiting = route(&node, &wire, &shards, &all, &mut results);
+        let retrying = results
+            .iter()
+            .any(|r| matches!(r, Some(WireDecision::Retry(_))));
+        if waiting.is_empty() && !retrying {
+            return Decided::Ready(results.into_iter().map(finish).collect());
         }
-        let mut waiting: Vec<Waiting> = Vec::new();
-        for (shard, positions, group) in groups {
-            let submitted = match node.leaders.leader(shard) {
-                None => Err(WireDecision::Unavailable(format!(
-                    "shard {shard} unavailable: no leader (election in progress)"
-                ))),
-                Some(leader) if leader == node.id => node.submit_local(shard, group),
-                Some(leader) => node.submit_forward(leader, shard, group),
-            };
-            match submitted {
-                Ok(answer) => waiting.push((shard, positions, answer)),
-                Err(decision) => {
-                    for position in positions {
-                        results[position] = to_result(decision.clone());
-                    }
-                }
-            }
-        }
-        if waiting.is_empty() {
-            return Decided::Ready(results);
-        }
-        let timeout = Duration::from_millis(node.forward_timeout_ms);
         let timeout_ms = node.forward_timeout_ms;
         Decided::Later(Box::pin(async move {
-            let deadline = tokio::time::Instant::now() + timeout;
-            for (shard, positions, answer) in waiting {
-                let decisions = match tokio::time::timeout_at(deadline, answer).await {
-                    Ok(Ok(decisions)) => decisions,
-                    Ok(Err(_)) => Vec::new(),
-                    Err(_) => vec![
-                        WireDecision::Unavailable(format!(
-                            "shard {shard} unavailable: no answer within {timeout_ms} ms"
-                        ));
-                        positions.len()
-                    ],
-                };
-                let mut decisions = decisions.into_iter();
-                for position in positions {
-                    results[position] = to_result(decisions.next().unwrap_or_else(|| {
-                        WireDecision::Unavailable(format!(
-                            "shard {shard} unavailable: the request was dropped"
-                        ))
-                    }));
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+            let mut waiting = waiting;
+            loop {
+                for (shard, positions, answer) in waiting {
+                    let decisions = match tokio::time::timeout_at(deadline, answer).await {
+                        Ok(Ok(decisions)) => decisions,
+                        Ok(Err(_)) => Vec::new(),
+                        Err(_) => vec![
+                            WireDecision::Unavailable(format!(
+                                "shard {shard} unavailable: no answer within {timeout_ms} ms"
+                            ));
+                            positions.len()
+                        ],
+                    };
+                    let mut decisions = decisions.into_iter();
+                    for position in positions {
+                        results[position] = Some(decisions.next().unwrap_or_else(|| {
+                            WireDecision::Unavailable(format!(
+                                "shard {shard} unavailable: the request was dropped"
+                            ))
+                        }));
+                    }
                 }
+                let again: Vec<usize> = (0..results.len())
+                    .filter(|&i| matches!(results[i], Some(WireDecision::Retry(_))))
+                    .collect();
+                let pause = Duration::from_millis(RETRY_PAUSE_MS);
+                if again.is_empty() || tokio::time::Instant::now() + pause >= deadline {
+                    break;
+                }
+                tokio::time::sleep(pause).await;
+                waiting = route(&node, &wire, &shards, &again, &mut results);
             }
-            results
+            results.into_iter().map(finish).collect()
         }))
     }
 

@@ -216,6 +216,8 @@ mod tests {
                 next_reset_seconds: 60,
             },
             WireDecision::Unavailable("shard 3 unavailable: no leader".into()),
+            WireDecision::Retry("shard 4 unavailable: its leadership is being handed over".into()),
+            WireDecision::Full { live_keys_max: 7 },
         ];
         match roundtrip(&PeerResponse::Hits(decisions.clone())).await {
             PeerResponse::Hits(back) => assert_eq!(back, decisions),

@@ -225,7 +225,7 @@ impl ClusterNode {
         ops: Vec<WireOp>,
     ) -> Result<oneshot::Receiver<Vec<WireDecision>>, WireDecision> {
         let Some(group) = self.group(shard) else {
-            return Err(WireDecision::Unavailable(format!(
+            return Err(WireDecision::Retry(format!(
                 "shard {shard} unavailable: node {} does not replicate it",
                 self.id
             )));
@@ -1002,21 +1002,31 @@ async fn run_forwarder(
                 replies.push((item.reply, item.ops.len()));
                 ops.extend(item.ops);
             }
-            let failure = |ops: &[WireOp], why: &str| -> Vec<WireDecision> {
+            // `retry`: the request never reached the peer, so nothing was
+            // counted and the sender may try the shard's leader again.
+            let failure = |ops: &[WireOp], why: &str, retry: bool| -> Vec<WireDecision> {
                 ops.iter()
                     .map(|op| {
-                        WireDecision::Unavailable(format!(
+                        let text = format!(
                             "shard {} unavailable: forwarding to node {}: {why}",
                             placement.shard_of(&op.key),
                             link.target
-                        ))
+                        );
+                        if retry {
+                            WireDecision::Retry(text)
+                        } else {
+                            WireDecision::Unavailable(text)
+                        }
                     })
                     .collect()
             };
             let decisions = match link.call(PeerRequest::Hits(ops.clone()), timeout_ms).await {
                 Ok(PeerResponse::Hits(decisions)) if decisions.len() == ops.len() => decisions,
-                Ok(other) => failure(&ops, &format!("unexpected answer {other:?}")),
-                Err(error) => failure(&ops, &error.to_string()),
+                Ok(other) => failure(&ops, &format!("unexpected answer {other:?}"), false),
+                Err(error @ (LinkError::Unreachable(..) | LinkError::Unauthenticated(..))) => {
+                    failure(&ops, &error.to_string(), true)
+                }
+                Err(error) => failure(&ops, &error.to_string(), false),
             };
             let mut decisions = decisions.into_iter();
             for (reply, count) in replies {

@@ -348,6 +348,12 @@ impl Worker {
         WireDecision::Unavailable(format!("shard {} unavailable: {why}", self.shard))
     }
 
+    /// For hits turned away before anything was decided (so not counted):
+    /// the sender may try the shard's leader again.
+    fn not_decided(&self, why: &str) -> WireDecision {
+        WireDecision::Retry(format!("shard {} unavailable: {why}", self.shard))
+    }
+
     fn answer_all(items: Vec<WorkItem>, decision: &WireDecision) {
         for item in items {
             let _ = item.reply.send(vec![decision.clone(); item.ops.len()]);
@@ -399,12 +405,12 @@ impl Worker {
             .active
             .load(std::sync::atomic::Ordering::Acquire)
         {
-            let decision = self.unavailable("its leadership is being handed to another replica");
+            let decision = self.not_decided("its leadership is being handed to another replica");
             Self::answer_all(items, &decision);
             return;
         }
         if let Err(why) = self.ensure_ready().await {
-            let decision = self.unavailable(&why);
+            let decision = self.not_decided(&why);
             Self::answer_all(items, &decision);
             return;
         }

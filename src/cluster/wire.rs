@@ -46,6 +46,9 @@ pub enum WireDecision {
     Unavailable(String),
     /// The leader's live-key cap was reached.
     Full { live_keys_max: u64 },
+    /// Not decided and not counted (no leader, the leader is handing over or
+    /// unreachable): the sender may send it again to the shard's leader.
+    Retry(String),
 }
 
 impl From<Decision> for WireDecision {
