@@ -5,7 +5,8 @@
 #   cluster/bench.sh            # results and JSON files in $OUT_DIR
 #
 # 1. Closed loop (maximum throughput): one node, then three nodes strict,
-#    then fast. Every hit is admitted (the rule has a huge limit), so in
+#    then fast, with the CPU time the servers used per hit (all three nodes
+#    together for the cluster; from /proc, over the measured window). Every hit is admitted (the rule has a huge limit), so in
 #    cluster mode every hit is replicated: the worst case. For the cluster,
 #    one load generator per node runs at once (each with a third of the
 #    connections); throughputs add up, latencies are per node.
@@ -58,21 +59,44 @@ load() { # load NAME TARGET CONNECTIONS PREFIX
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" > "$OUT_DIR/$1.txt"
 }
 
+# CPU seconds the given processes used so far (user + system).
+cpu_seconds() {
+  local ticks=0 pid
+  for pid in "$@"; do
+    ticks=$((ticks + $(awk '{print $14 + $15}' "/proc/$pid/stat")))
+  done
+  echo "$ticks $(getconf CLK_TCK)" | awk '{printf "%.2f", $1 / $2}'
+}
+# Writes NAME.cpu: the CPU seconds PIDS used during the measured window.
+measure_cpu() { # measure_cpu NAME PIDS...
+  local name=$1; shift
+  sleep "$WARMUP"
+  local before; before=$(cpu_seconds "$@")
+  sleep "$DURATION"
+  echo "$before $(cpu_seconds "$@")" | awk '{printf "%.2f\n", $2 - $1}' > "$OUT_DIR/$name.cpu"
+}
+cluster_pids() { cat "$RUN_DIR"/node[123].pid; }
+
 echo "single node" >&2
 "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single.log" 2>&1 &
 single=$!
 sleep 1
+measure_cpu single "$single" &
+cpu=$!
 load single "127.0.0.1:$BASE_PORT" "$CONNECTIONS" s
+wait "$cpu"
 kill "$single"; wait "$single" || true
 
 for mode in strict fast; do
   echo "three nodes, $mode" >&2
   CONSISTENCY=$mode "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$mode.txt"
   per_node=$((CONNECTIONS / 3))
+  # shellcheck disable=SC2046
+  measure_cpu "$mode" $(cluster_pids) &
   for n in 1 2 3; do
     load "$mode-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$mode$n" &
   done
-  wait %1 %2 %3 2>/dev/null || wait
+  wait
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$mode.txt" || true
   "$ROOT/cluster/local.sh" down > /dev/null
 done
@@ -153,16 +177,22 @@ print(f"Closed loop, {connections} connections x pipeline {pipeline}, {duration}
       "every hit admitted (and so replicated). Cluster: one generator per node, "
       "a third of the connections each; latency columns give the range over the three nodes.")
 print()
-print("| setup | throughput (hits/s) | p50 (us) | p99 (us) | errors |")
-print("|---|---:|---:|---:|---:|")
+def cpu_us_per_hit(name, throughput):
+    try:
+        seconds = float(open(os.path.join(out, name + ".cpu")).read())
+    except (OSError, ValueError):
+        return "-"
+    return f"{seconds * 1e6 / max(throughput * float(duration), 1):.1f}"
+print("| setup | throughput (hits/s) | p50 (us) | p99 (us) | errors | server CPU per hit (us) |")
+print("|---|---:|---:|---:|---:|---:|")
 single = read("single")
 lat = single["latency_us"]
-print(f"| one node | {single['throughput_per_sec']:.0f} | {lat['p50']:.0f} | {lat['p99']:.0f} | {single['errors']} |")
+print(f"| one node | {single['throughput_per_sec']:.0f} | {lat['p50']:.0f} | {lat['p99']:.0f} | {single['errors']} | {cpu_us_per_hit('single', single['throughput_per_sec'])} |")
 closed = {}
 for mode in ("strict", "fast"):
     total, p50, p99, errors = cluster(mode)
     closed[mode] = total
-    print(f"| three nodes, {mode} | {total:.0f} | {min(p50):.0f}-{max(p50):.0f} | {min(p99):.0f}-{max(p99):.0f} | {errors} |")
+    print(f"| three nodes, {mode} | {total:.0f} | {min(p50):.0f}-{max(p50):.0f} | {min(p99):.0f}-{max(p99):.0f} | {errors} | {cpu_us_per_hit(mode, total)} |")
 print()
 print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), "
       f"{connections} connections, {duration} s measured.")
