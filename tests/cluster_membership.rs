@@ -137,6 +137,26 @@ fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
         "no shard moved to node 4: {}",
         tollgate::cluster::status::render(&topology)
     );
+    // Leader balancing hands node 4 its share of leaderships (8 shards on
+    // 4 nodes: 2 each at most), with no error either.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let topology = loop {
+        let topology = cluster.wait_settled(2, &[1, 2, 3, 4], Duration::from_secs(20));
+        let leads_4 = topology
+            .placement
+            .iter()
+            .filter(|s| s.leader == Some(4))
+            .count();
+        if leads_4 > 0 {
+            break topology;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node 4 was given no leadership: {}",
+            tollgate::cluster::status::render(&topology)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
     let errors_during_add = seen.lock().unwrap().errors.len() - errors_before_add;
     assert_eq!(
         errors_during_add,

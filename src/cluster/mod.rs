@@ -125,6 +125,13 @@ pub struct ClusterArgs {
     #[arg(long, default_value_t = 2)]
     pub shard_moves_max: usize,
 
+    /// Spread shard leadership over the nodes that are up: a node leading
+    /// more than its share hands shards over to replicas that lead fewer
+    /// (one at a time; hits of that shard wait well under a second).
+    /// `--leader-balance false` leaves leaders where elections put them.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_balance: bool,
+
     /// Threads of the runtime that runs every Raft group of this node.
     #[arg(long, default_value_t = 2)]
     pub raft_threads: usize,
@@ -370,6 +377,7 @@ pub fn start(
             args.forward_timeout_ms.max(1),
             args.raft_election_timeout_ms,
             args.shard_moves_max,
+            args.leader_balance,
         ));
         tokio::spawn(node::serve_peers(listener, Arc::clone(&node), secrets));
         node.join(node::JoinSettings {

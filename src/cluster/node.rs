@@ -66,6 +66,10 @@ const MOVE_CHANGE_TIMEOUT_MS: u64 = 10_000;
 const HANDOVER_ELECTION_TIMEOUT_MS: u64 = 3_000;
 /// How long an operator request may wait for each peer to take a member list.
 const ADMIN_PUSH_TIMEOUT_MS: u64 = 2_000;
+/// Least time between two leader-balancing handovers started by one node.
+const BALANCE_COOLDOWN_MS: u64 = 1_000;
+/// A peer that answered a poll this recently counts as up for balancing.
+const PEER_LIVE_MS: u64 = 1_000;
 
 /// What a node needs to start shard groups at any time.
 pub struct GroupFactory {
@@ -103,6 +107,12 @@ pub struct ClusterNode {
     /// The peers' last reports, for the recovery floors of new replicas.
     last_reports: Mutex<BTreeMap<NodeId, NodeReport>>,
     joined: AtomicBool,
+    /// When each peer last answered a poll (liveness for leader balancing).
+    last_seen: Mutex<BTreeMap<NodeId, Instant>>,
+    /// Whether leaders are spread by handovers (`--leader-balance`).
+    leader_balance: bool,
+    /// When this node last started a balancing handover.
+    last_balance: Mutex<Option<Instant>>,
 }
 
 /// How a node joins: bootstrap with the cluster file, or join an existing
@@ -125,6 +135,7 @@ impl ClusterNode {
         forward_timeout_ms: u64,
         election_timeout_ms: u64,
         shard_moves_max: usize,
+        leader_balance: bool,
     ) -> ClusterNode {
         let placement = file.placement();
         let members = Members::from_file(&file);
@@ -148,6 +159,9 @@ impl ClusterNode {
             leader_views: Mutex::default(),
             last_reports: Mutex::default(),
             joined: AtomicBool::new(false),
+            last_seen: Mutex::default(),
+            leader_balance,
+            last_balance: Mutex::default(),
             file,
         };
         node.ensure_member_links();
@@ -541,6 +555,7 @@ impl ClusterNode {
             let mut answered = BTreeMap::new();
             for (peer, report) in reports {
                 let Some(report) = report else { continue };
+                self.last_seen.lock().insert(peer, Instant::now());
                 self.adopt(&report.members);
                 let mut views = self.leader_views.lock();
                 for shard in &report.shards {
@@ -600,7 +615,114 @@ impl ClusterNode {
             for group in self.groups() {
                 self.rebalance_group(&placement, group).await;
             }
+            if self.leader_balance {
+                self.balance_leaders(&placement);
+            }
         }
+    }
+
+    /// Spreads leadership: when this node leads more than its fair share of
+    /// the shards (shards ÷ nodes up, rounded up) and a caught-up replica of
+    /// one of them on a node that is up leads at least two fewer, hands that
+    /// shard over (one at a time, [`BALANCE_COOLDOWN_MS`] apart, only while
+    /// every shard has a leader and no shard of this node is moving). A
+    /// handover's hits wait for the successor rather than fail, so this
+    /// costs clients a short latency on one shard, never an error.
+    fn balance_leaders(self: &Arc<Self>, placement: &Placement) {
+        if !self.moving.lock().is_empty() {
+            return;
+        }
+        if self
+            .last_balance
+            .lock()
+            .is_some_and(|at| at.elapsed() < Duration::from_millis(BALANCE_COOLDOWN_MS))
+        {
+            return;
+        }
+        let mut leads: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for shard in 0..self.placement.shards() {
+            match self.leaders.leader(shard) {
+                Some(leader) => *leads.entry(leader).or_default() += 1,
+                None => return, // An election is under way: wait.
+            }
+        }
+        let live: BTreeSet<NodeId> = {
+            let seen = self.last_seen.lock();
+            self.members()
+                .nodes
+                .keys()
+                .copied()
+                .filter(|&n| {
+                    n == self.id
+                        || seen
+                            .get(&n)
+                            .is_some_and(|at| at.elapsed() < Duration::from_millis(PEER_LIVE_MS))
+                })
+                .collect()
+        };
+        if live.len() < 2 || !live.contains(&self.id) {
+            return;
+        }
+        let fair = (self.placement.shards() as usize).div_ceil(live.len());
+        let mine = leads.get(&self.id).copied().unwrap_or(0);
+        if mine <= fair {
+            return;
+        }
+        let reports = self.last_reports.lock().clone();
+        let recovering = |node: NodeId, shard: u32| {
+            reports.get(&node).map_or(true, |report| {
+                report
+                    .shards
+                    .iter()
+                    .find(|s| s.shard == shard)
+                    .map_or(true, |s| s.recovering)
+            })
+        };
+        let mut best: Option<(usize, u32, NodeId, Arc<ShardGroup>)> = None;
+        for group in self.groups() {
+            let metrics = group.raft.metrics().borrow().clone();
+            if metrics.current_leader != Some(self.id) || metrics.state != ServerState::Leader {
+                continue;
+            }
+            let membership = metrics.membership_config.membership();
+            let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+            let target: BTreeSet<NodeId> = placement.replicas_of(group.shard).into_iter().collect();
+            if voters != target || membership.learner_ids().next().is_some() {
+                continue; // Moving: the move comes first.
+            }
+            for &voter in voters.iter().filter(|v| **v != self.id && live.contains(v)) {
+                let theirs = leads.get(&voter).copied().unwrap_or(0);
+                if theirs + 2 > mine || recovering(voter, group.shard) {
+                    continue;
+                }
+                if best.as_ref().map_or(true, |(least, ..)| theirs < *least) {
+                    best = Some((theirs, group.shard, voter, Arc::clone(&group)));
+                }
+            }
+        }
+        let Some((_, shard, successor, group)) = best else {
+            return;
+        };
+        let Ok(permit) = Arc::clone(&self.move_slots).try_acquire_owned() else {
+            return;
+        };
+        self.moving.lock().insert(shard);
+        *self.last_balance.lock() = Some(Instant::now());
+        let node = Arc::clone(self);
+        tokio::spawn(async move {
+            let outcome = node.hand_over(&group, successor).await;
+            *group.moving.lock() = None;
+            node.moving.lock().remove(&shard);
+            drop(permit);
+            match outcome {
+                Ok(done) => tracing::info!(node = node.id, shard, "balancing leaders: {done}"),
+                Err(why) => tracing::info!(
+                    node = node.id,
+                    shard,
+                    "balancing leaders: the handover did not finish: {why}"
+                ),
+            }
+        });
     }
 
     async fn rebalance_group(self: &Arc<Self>, placement: &Placement, group: Arc<ShardGroup>) {
