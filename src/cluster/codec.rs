@@ -27,8 +27,30 @@ pub enum CodecError {
     Io(#[from] std::io::Error),
 }
 
-fn config() -> bincode::config::Configuration {
-    bincode::config::standard()
+/// Largest snapshot decoded, in bytes (a shard's live counters; at about 40
+/// bytes a counter, some 13 million in one shard).
+pub const SNAPSHOT_BYTES_MAX: usize = 512 * 1024 * 1024;
+
+/// The encoding of frames. The limit makes the decoder refuse a length
+/// claimed inside a message (a string, a list) beyond the frame's bound
+/// before it allocates for it: without it, a 19-byte message claiming a
+/// 2.5 GB string made the decoder try to allocate that much (found by the
+/// `peer_frames` fuzz target).
+fn config() -> bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<FRAME_BYTES_MAX>,
+> {
+    bincode::config::standard().with_limit::<FRAME_BYTES_MAX>()
+}
+
+/// The encoding of snapshots: as frames, bounded by [`SNAPSHOT_BYTES_MAX`].
+fn snapshot_config() -> bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<SNAPSHOT_BYTES_MAX>,
+> {
+    bincode::config::standard().with_limit::<SNAPSHOT_BYTES_MAX>()
 }
 
 /// Appends one frame carrying `message` under `request_id` to `out`.
@@ -82,8 +104,17 @@ pub async fn read_frame<T: DeserializeOwned>(
     Ok((u64::from_le_bytes(id), decode(buf)?))
 }
 
-fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
+/// Decodes one message (a frame's body, after its header): the whole of
+/// `bytes` or an error. Public for the peer-frame fuzz target.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    decode_with(bytes, config())
+}
+
+fn decode_with<T: DeserializeOwned, C: bincode::config::Config>(
+    bytes: &[u8],
+    config: C,
+) -> Result<T, CodecError> {
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config)
         .map_err(|error| CodecError::Decode(error.to_string()))?;
     if used != bytes.len() {
         return Err(CodecError::Decode(format!(
@@ -95,12 +126,12 @@ fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
 }
 
 pub fn encode_snapshot(content: &SnapshotContent) -> Result<Vec<u8>, CodecError> {
-    bincode::serde::encode_to_vec(content, config())
+    bincode::serde::encode_to_vec(content, snapshot_config())
         .map_err(|error| CodecError::Encode(error.to_string()))
 }
 
 pub fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotContent, CodecError> {
-    decode(bytes)
+    decode_with(bytes, snapshot_config())
 }
 
 #[cfg(test)]
@@ -243,5 +274,16 @@ mod tests {
 
         let result: Result<(u64, PeerRequest), _> = read_frame(&mut &bytes[..5], &mut buf).await;
         assert!(matches!(result, Err(CodecError::Io(_))));
+    }
+
+    #[test]
+    fn a_claimed_length_beyond_the_bound_is_refused_before_allocating() {
+        // Found by the peer_frames fuzz target: a string claiming 2.5 GB.
+        let bytes = [
+            0u8, 0, 0, 128, 252, 153, 153, 153, 153, 153, 153, 153, 153, 153, 153, 153, 153, 153, 0,
+        ];
+        assert!(decode::<PeerResponse>(&bytes).is_err());
+        assert!(decode::<PeerRequest>(&bytes).is_err());
+        assert!(decode_snapshot(&bytes).is_err());
     }
 }

@@ -17,7 +17,7 @@
 //! guarantees.
 
 pub mod admin;
-mod auth;
+pub mod auth;
 mod backend;
 pub mod client;
 pub mod codec;
