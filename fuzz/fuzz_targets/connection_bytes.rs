@@ -10,10 +10,12 @@ use tollgate::engine::{Engine, Outcome};
 fn engine() -> &'static Arc<Engine> {
     static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let store = Arc::new(tollgate::store::MemoryStore::new(tollgate::store::MemoryStoreConfig {
-            stripes: 16,
-            live_keys_max: 10_000,
-        }));
+        let store = Arc::new(tollgate::store::MemoryStore::new(
+            tollgate::store::MemoryStoreConfig {
+                stripes: 16,
+                live_keys_max: 10_000,
+            },
+        ));
         Arc::new(Engine::new(
             tollgate::rules::RuleSet::embedded_default(),
             Arc::new(tollgate::store::MemoryBackend { store }),

@@ -20,7 +20,9 @@ fn buckets() -> &'static Buckets {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(command) = decode_request(data) else { return };
+    let Ok(command) = decode_request(data) else {
+        return;
+    };
     let now_ms = 1_700_000_000_000;
     if let Command::Take { bucket, request } = command {
         if let Ok(outcome) = buckets().take(&bucket, &request, now_ms) {
