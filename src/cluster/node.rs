@@ -115,6 +115,18 @@ pub struct ClusterNode {
     last_balance: Mutex<Option<Instant>>,
 }
 
+/// Background work on a shard led here, one move slot each.
+enum ShardWork {
+    /// Make `target` the voters (learners first).
+    Move {
+        voters: BTreeSet<NodeId>,
+        learners: BTreeSet<NodeId>,
+        target: BTreeSet<NodeId>,
+    },
+    /// Hand leadership to `successor` (leaving the shard, or balancing).
+    HandOver { successor: NodeId, balancing: bool },
+}
+
 /// How a node joins: bootstrap with the cluster file, or join an existing
 /// cluster (never initializing a shard itself).
 #[derive(Debug, Clone, Copy)]
@@ -383,17 +395,27 @@ impl ClusterNode {
         Ok(Arc::clone(groups.entry(shard).or_insert(group)))
     }
 
-    /// The recovery floors for a replica of `shard` when some peer has
-    /// established it (see `shard.rs`), from the peers' last reports.
-    fn recovery_for(&self, shard: u32, reports: &BTreeMap<NodeId, NodeReport>) -> Option<Recovery> {
+    /// Puts a new replica of a shard some peer has established into
+    /// recovery (see `shard.rs`), with floors from the peers' last reports;
+    /// says whether it did.
+    fn enter_recovery(
+        &self,
+        group: &Arc<ShardGroup>,
+        reports: &BTreeMap<NodeId, NodeReport>,
+    ) -> bool {
         let seen: Vec<&ShardReport> = reports
             .values()
-            .flat_map(|report| report.shards.iter().filter(|s| s.shard == shard))
+            .flat_map(|report| report.shards.iter().filter(|s| s.shard == group.shard))
             .collect();
-        seen.iter().any(|s| s.established).then(|| Recovery {
+        if !seen.iter().any(|s| s.established) {
+            return false;
+        }
+        group.set_recovery(Some(Recovery {
             applied_floor: seen.iter().filter_map(|s| s.applied).max(),
             term_floor: seen.iter().map(|s| s.term).max().unwrap_or(0),
-        })
+        }));
+        group.check_caught_up_now();
+        true
     }
 
     /// Joins the cluster (see the module doc). Fails when a peer refuses us
@@ -468,9 +490,7 @@ impl ClusterNode {
         let mut recovering = 0;
         for shard in placement.shards_of_node(self.id) {
             let group = self.start_group(shard).await?;
-            if let Some(recovery) = self.recovery_for(shard, &reports) {
-                group.set_recovery(Some(recovery));
-                group.check_caught_up_now();
+            if self.enter_recovery(&group, &reports) {
                 recovering += 1;
                 continue;
             }
@@ -597,10 +617,7 @@ impl ClusterNode {
                 match self.start_group(shard).await {
                     Ok(group) => {
                         let reports = self.last_reports.lock().clone();
-                        if let Some(recovery) = self.recovery_for(shard, &reports) {
-                            group.set_recovery(Some(recovery));
-                            group.check_caught_up_now();
-                        } else {
+                        if !self.enter_recovery(&group, &reports) {
                             group.raft.runtime_config().elect(true);
                         }
                         tracing::info!(
@@ -678,7 +695,7 @@ impl ClusterNode {
                     .map_or(true, |s| s.recovering)
             })
         };
-        let mut best: Option<(usize, u32, NodeId, Arc<ShardGroup>)> = None;
+        let mut best: Option<(usize, NodeId, Arc<ShardGroup>)> = None;
         for group in self.groups() {
             let metrics = group.raft.metrics().borrow().clone();
             if metrics.current_leader != Some(self.id) || metrics.state != ServerState::Leader {
@@ -696,33 +713,74 @@ impl ClusterNode {
                     continue;
                 }
                 if best.as_ref().map_or(true, |(least, ..)| theirs < *least) {
-                    best = Some((theirs, group.shard, voter, Arc::clone(&group)));
+                    best = Some((theirs, voter, Arc::clone(&group)));
                 }
             }
         }
-        let Some((_, shard, successor, group)) = best else {
+        let Some((_, successor, group)) = best else {
             return;
         };
+        if self.start_shard_work(
+            group,
+            ShardWork::HandOver {
+                successor,
+                balancing: true,
+            },
+        ) {
+            *self.last_balance.lock() = Some(Instant::now());
+        }
+    }
+
+    /// Runs a move or a handover of `group`'s shard (led here) in the
+    /// background, if a move slot is free; says whether it started.
+    fn start_shard_work(self: &Arc<Self>, group: Arc<ShardGroup>, work: ShardWork) -> bool {
+        let shard = group.shard;
         let Ok(permit) = Arc::clone(&self.move_slots).try_acquire_owned() else {
-            return;
+            return false; // As many moves as allowed are running.
         };
         self.moving.lock().insert(shard);
-        *self.last_balance.lock() = Some(Instant::now());
         let node = Arc::clone(self);
         tokio::spawn(async move {
-            let outcome = node.hand_over(&group, successor).await;
+            let started = Instant::now();
+            let (outcome, what) = match work {
+                ShardWork::HandOver {
+                    successor,
+                    balancing,
+                } => (
+                    node.hand_over(&group, successor).await,
+                    if balancing {
+                        "balancing leaders"
+                    } else {
+                        "leaving"
+                    },
+                ),
+                ShardWork::Move {
+                    voters,
+                    learners,
+                    target,
+                } => (
+                    node.move_shard(&group, &voters, &learners, &target).await,
+                    "moving",
+                ),
+            };
             *group.moving.lock() = None;
             node.moving.lock().remove(&shard);
             drop(permit);
             match outcome {
-                Ok(done) => tracing::info!(node = node.id, shard, "balancing leaders: {done}"),
-                Err(why) => tracing::info!(
+                Ok(done) => tracing::info!(
                     node = node.id,
                     shard,
-                    "balancing leaders: the handover did not finish: {why}"
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "{what}: {done}"
+                ),
+                Err(why) => tracing::warn!(
+                    node = node.id,
+                    shard,
+                    "{what}: did not finish (retried): {why}"
                 ),
             }
         });
+        true
     }
 
     async fn rebalance_group(self: &Arc<Self>, placement: &Placement, group: Arc<ShardGroup>) {
@@ -742,11 +800,6 @@ impl ClusterNode {
             if settled || self.moving.lock().contains(&shard) {
                 return;
             }
-            let Ok(permit) = Arc::clone(&self.move_slots).try_acquire_owned() else {
-                return; // As many moves as allowed are running.
-            };
-            self.moving.lock().insert(shard);
-            let node = Arc::clone(self);
             let successor = (!target.contains(&self.id))
                 .then(|| {
                     voters
@@ -762,29 +815,18 @@ impl ClusterNode {
                         })
                 })
                 .flatten();
-            tokio::spawn(async move {
-                let started = Instant::now();
-                let outcome = match successor {
-                    Some(successor) => node.hand_over(&group, successor).await,
-                    None => node.move_shard(&group, &voters, &learners, &target).await,
-                };
-                *group.moving.lock() = None;
-                node.moving.lock().remove(&shard);
-                drop(permit);
-                match outcome {
-                    Ok(done) => tracing::info!(
-                        node = node.id,
-                        shard,
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "{done}"
-                    ),
-                    Err(why) => tracing::warn!(
-                        node = node.id,
-                        shard,
-                        "moving the shard did not finish (retried): {why}"
-                    ),
-                }
-            });
+            let work = match successor {
+                Some(successor) => ShardWork::HandOver {
+                    successor,
+                    balancing: false,
+                },
+                None => ShardWork::Move {
+                    voters,
+                    learners,
+                    target,
+                },
+            };
+            self.start_shard_work(group, work);
             return;
         }
         if target.contains(&self.id) {
