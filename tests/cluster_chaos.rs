@@ -53,19 +53,7 @@ fn chaos(consistency: &str) -> (Vec<Hit>, Vec<(&'static str, Instant)>) {
     let stop = Arc::new(AtomicBool::new(false));
     let log: HitLog = Default::default();
     // Paced so that the limit is reached about half-way through.
-    let threads: Vec<_> = (1..=3)
-        .map(|node| {
-            spawn_load(
-                node,
-                cluster.client(node),
-                Arc::clone(&lines),
-                2,
-                Duration::from_millis(15),
-                Arc::clone(&stop),
-                Arc::clone(&log),
-            )
-        })
-        .collect();
+    let threads = spawn_load_on_all(&cluster, &lines, 2, Duration::from_millis(15), &stop, &log);
     let mut events = Vec::new();
     std::thread::sleep(Duration::from_millis(1_500));
 

@@ -67,19 +67,7 @@ fn rolling_restart_under_load_preserves_quotas() {
     let lines = Arc::new(lines);
     let stop = Arc::new(AtomicBool::new(false));
     let log: HitLog = Default::default();
-    let threads: Vec<_> = (1..=3)
-        .map(|node| {
-            spawn_load(
-                node,
-                cluster.client(node),
-                Arc::clone(&lines),
-                6,
-                Duration::from_millis(10),
-                Arc::clone(&stop),
-                Arc::clone(&log),
-            )
-        })
-        .collect();
+    let threads = spawn_load_on_all(&cluster, &lines, 6, Duration::from_millis(10), &stop, &log);
     std::thread::sleep(Duration::from_millis(1_000));
     let mut samples = vec![sample(cluster.client(1))];
     let mut windows = Vec::new();

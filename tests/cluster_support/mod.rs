@@ -632,6 +632,33 @@ pub struct Hit {
 
 pub type HitLog = std::sync::Arc<std::sync::Mutex<Vec<Hit>>>;
 
+/// [`spawn_load`] on every node of `cluster`, each sending `lines` `batch`
+/// at a time with `pause` between batches, until `stop`.
+pub fn spawn_load_on_all(
+    cluster: &TestCluster,
+    lines: &std::sync::Arc<Vec<String>>,
+    batch: usize,
+    pause: Duration,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    log: &HitLog,
+) -> Vec<std::thread::JoinHandle<()>> {
+    cluster
+        .nodes
+        .iter()
+        .map(|node| {
+            spawn_load(
+                node.id,
+                node.client,
+                std::sync::Arc::clone(lines),
+                batch,
+                pause,
+                std::sync::Arc::clone(stop),
+                std::sync::Arc::clone(log),
+            )
+        })
+        .collect()
+}
+
 /// A load thread on node `node`: sends `lines` round-robin, `batch` per
 /// pipelined request then `pause`, reconnecting after a close, and logs
 /// every hit until `stop`.
