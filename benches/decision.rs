@@ -38,7 +38,9 @@ fn bench_decision(c: &mut Criterion) {
             out.clear();
             match engine.execute(black_box(&lines[i]), engine.arrival()) {
                 Outcome::Now(reply) => reply.encode(&mut out),
-                Outcome::Later(_) => unreachable!("the memory backend answers at once"),
+                Outcome::Later(_) | Outcome::Deferred(_) => {
+                    unreachable!("the memory backend answers at once")
+                }
             }
             black_box(&out);
         })

@@ -38,7 +38,8 @@ pub struct ServeArgs {
     #[arg(long, env = "PORT", default_value_t = 8321, hide_env_values = true)]
     pub port: u16,
 
-    /// Serving threads, each with its own runtime and listener [default: cores].
+    /// Serving threads, each with its own runtime and listener [default: cores; half
+    /// the cores in cluster mode, the Raft threads having the rest].
     #[arg(long)]
     pub threads: Option<usize>,
 
@@ -148,10 +149,14 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         Some(path) => RuleSet::load_file(path).with_context(|| format!("{}", path.display()))?,
         None => RuleSet::embedded_default(),
     };
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .max(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // A cluster node shares the cores with its Raft thread(s): half each.
+    let default_threads = if args.cluster.cluster_file.is_some() {
+        (cores / 2).max(1)
+    } else {
+        cores
+    };
+    let threads = args.threads.unwrap_or(default_threads).max(1);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let store = Arc::new(MemoryStore::new(MemoryStoreConfig {
         stripes: args.stripes.max(4 * threads),

@@ -11,7 +11,9 @@ use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
 use crate::protocol::{encode_err, encode_ok, parse_line, ErrorCode, Pairs, Verb};
 use crate::rules::{MatchPolicy, Quota, RuleSet};
-use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
+use crate::store::{
+    Backend, BackendError, BatchDecided, CounterOp, Decided, Decisions, OpBatch, SlotAnswers,
+};
 use arc_swap::ArcSwap;
 use futures_util::future::BoxFuture;
 use smallvec::SmallVec;
@@ -75,6 +77,33 @@ impl Reply {
 pub enum Outcome {
     Now(Reply),
     Later(BoxFuture<'static, Reply>),
+    /// Waits for its read batch (see [`EngineBatch`]); finish it with
+    /// [`Engine::finish_deferred`] once the batch's answers are in.
+    Deferred(DeferredHit),
+}
+
+/// A hit whose counters wait for their read batch's answers.
+pub struct DeferredHit {
+    plan: Plan,
+    first_slot: u32,
+    peek: bool,
+    arrival: Arrival,
+}
+
+/// The lines of one read, executed against one rule set, whose counters a
+/// batching backend (the cluster) decides together: see
+/// [`Engine::begin_batch`].
+pub struct EngineBatch {
+    ops: Box<dyn OpBatch>,
+    rules: Arc<LoadedRules>,
+}
+
+impl EngineBatch {
+    /// Sends the batch's gathered ops; returns the rules its lines were
+    /// executed with and the future of the deferred answers, if any.
+    pub fn submit(self) -> (Arc<LoadedRules>, Option<BoxFuture<'static, SlotAnswers>>) {
+        (self.rules, self.ops.submit())
+    }
 }
 
 /// Handles for extension commands that other subsystems answer (droplet
@@ -193,8 +222,38 @@ impl Engine {
         }
     }
 
+    /// A batch for the lines of one read when the backend decides many
+    /// requests together (`None` otherwise: use [`Engine::execute`]).
+    pub fn begin_batch(&self) -> Option<EngineBatch> {
+        let ops = self.backend.begin_batch()?;
+        Some(EngineBatch {
+            ops,
+            rules: self.rules.load_full(),
+        })
+    }
+
     /// Executes one request line (without its terminator) that arrived at `arrival`.
     pub fn execute(self: &Arc<Self>, line: &[u8], arrival: Arrival) -> Outcome {
+        self.execute_with(line, arrival, None)
+    }
+
+    /// [`Engine::execute`] within a read batch: hits may come back
+    /// [`Outcome::Deferred`].
+    pub fn execute_in(
+        self: &Arc<Self>,
+        line: &[u8],
+        arrival: Arrival,
+        batch: &mut EngineBatch,
+    ) -> Outcome {
+        self.execute_with(line, arrival, Some(batch))
+    }
+
+    fn execute_with(
+        self: &Arc<Self>,
+        line: &[u8],
+        arrival: Arrival,
+        batch: Option<&mut EngineBatch>,
+    ) -> Outcome {
         let text = match std::str::from_utf8(line) {
             Ok(text) => Cow::Borrowed(text),
             Err(_) => String::from_utf8_lossy(line),
@@ -214,8 +273,13 @@ impl Engine {
             }
         };
         match command.verb {
-            Verb::Hit => self.hit(&command.pairs, false, arrival),
-            Verb::Peek => self.hit(&command.pairs, true, arrival),
+            Verb::Hit | Verb::Peek => {
+                let peek = command.verb == Verb::Peek;
+                match batch {
+                    Some(batch) => self.hit_in_batch(&command.pairs, peek, arrival, batch),
+                    None => self.hit(&command.pairs, peek, arrival),
+                }
+            }
             verb => {
                 for extension in &self.extensions {
                     if let Some(outcome) = extension.execute(verb, &command.pairs, arrival.now_ms) {
@@ -237,9 +301,13 @@ impl Engine {
         }
     }
 
-    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
-        let loaded = self.rules.load();
-        let mut ops: SmallVec<[CounterOp<'_>; 2]> = SmallVec::new();
+    /// The counter ops and the reply plan of a hit under `loaded`.
+    fn plan_hit<'a>(
+        loaded: &'a LoadedRules,
+        pairs: &'a Pairs<'_>,
+        peek: bool,
+    ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
+        let mut ops: SmallVec<[CounterOp<'a>; 2]> = SmallVec::new();
         let mut plan = Plan::new();
         for rule in loaded.set.evaluate(pairs) {
             let step = match rule.quota {
@@ -266,6 +334,12 @@ impl Engine {
             };
             plan.push(step);
         }
+        (ops, plan)
+    }
+
+    fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
+        let loaded = self.rules.load();
+        let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
         if ops.is_empty() {
             return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, arrival));
         }
@@ -284,6 +358,51 @@ impl Engine {
                 }))
             }
         }
+    }
+
+    fn hit_in_batch(
+        &self,
+        pairs: &Pairs<'_>,
+        peek: bool,
+        arrival: Arrival,
+        batch: &mut EngineBatch,
+    ) -> Outcome {
+        let loaded = &*batch.rules;
+        let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
+        if ops.is_empty() {
+            return Outcome::Now(self.finish(loaded, &plan, Decisions::new(), peek, arrival));
+        }
+        match batch.ops.decide(&ops, arrival.now_ms) {
+            BatchDecided::Ready(decisions) => {
+                Outcome::Now(self.finish(loaded, &plan, decisions, peek, arrival))
+            }
+            BatchDecided::Slots { first } => Outcome::Deferred(DeferredHit {
+                plan,
+                first_slot: first,
+                peek,
+                arrival,
+            }),
+        }
+    }
+
+    /// The reply of a deferred hit, from its batch's answers.
+    pub fn finish_deferred(
+        &self,
+        loaded: &LoadedRules,
+        hit: &DeferredHit,
+        answers: &SlotAnswers,
+    ) -> Reply {
+        let ops = hit
+            .plan
+            .iter()
+            .filter(|step| matches!(step, Step::Counter(..)))
+            .count();
+        let first = hit.first_slot as usize;
+        let decisions: Decisions = match answers.get(first..first + ops) {
+            Some(slots) => slots.iter().cloned().collect(),
+            None => return Reply::error("backend returned too few decisions"),
+        };
+        self.finish(loaded, &hit.plan, decisions, hit.peek, hit.arrival)
     }
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts

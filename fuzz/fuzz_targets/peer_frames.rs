@@ -1,15 +1,18 @@
 //! Fuzzes what the cluster's peer port reads: arbitrary bytes decoded as a
-//! peer request, a peer response and a snapshot (each decodes or fails with
-//! an error, never panics; what decodes encodes again), and fed to the
-//! server side of the peer handshake, which must refuse them without
-//! panicking (random bytes cannot prove the cluster secret).
+//! control request and response (each decodes or fails with an error, never
+//! panics; what decodes encodes again), read as a data frame's sections
+//! (forwarded hits, answers, rounds, acks: an error, never a panic or an
+//! allocation beyond the input), and fed to the server side of the peer
+//! handshake, which must refuse them without panicking (random bytes cannot
+//! prove the cluster secret).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use tokio::io::AsyncWriteExt;
 use tollgate::cluster::auth::{authenticate_server, PeerSecrets};
-use tollgate::cluster::codec::{decode, decode_snapshot, encode_frame, encode_snapshot};
+use tollgate::cluster::codec::{decode, encode_frame};
+use tollgate::cluster::data_frames;
 use tollgate::cluster::wire::{PeerRequest, PeerResponse};
 
 fn runtime() -> &'static tokio::runtime::Runtime {
@@ -37,9 +40,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(response) = decode::<PeerResponse>(data) {
         let _ = encode_frame(&mut out, 1, &response);
     }
-    if let Ok(snapshot) = decode_snapshot(data) {
-        let _ = encode_snapshot(&snapshot);
-    }
+    let _ = data_frames::validate(data);
     // The handshake reads fixed sizes well under 4 KiB.
     let bytes = data[..data.len().min(4096)].to_vec();
     let accepted = runtime().block_on(async move {

@@ -1,181 +1,54 @@
-//! The cluster as a [`Backend`]: each counter op is keyed by its rule's
-//! stable counter id and actor, hashed to a shard, and sent to the shard's
-//! leader: this node's shard worker when it leads, else the leader's
-//! forwarder (batched over the persistent peer connection). Answers come
-//! back as one future, in op order. With no known leader, or when the leader
-//! does not answer within `forward_timeout_ms`, the op answers
-//! `shard N unavailable: …`: a hit never hangs. Hits that were not decided
-//! (so not counted) are sent again to the shard's new leader until then.
+//! The cluster as a [`Backend`]: a connection's read batch becomes a
+//! [`ClusterBatch`] (see `forward.rs`), whose ops are decided inline when
+//! this node leads their shard and forwarded, one message per peer, when it
+//! does not. Answers that wait (commits, peers) come back as one future per
+//! batch, in op order; none ever hangs past `forward_timeout_ms`.
 //!
 //! Also answers the `TOPOLOGY` command (see [`super::status`]).
 
+use super::dataplane::DataPlane;
+use super::forward::ClusterBatch;
 use super::node::ClusterNode;
-use super::placement::{counter_key, stable_counter_id};
-use super::wire::{WireDecision, WireOp};
 use crate::engine::{CommandExtension, Outcome, Reply};
-use crate::limiter::Decision;
 use crate::protocol::{Pairs, Verb};
-use crate::store::{Backend, BackendError, CounterOp, Decided, StoreFull};
+use crate::store::{Backend, BatchDecided, CounterOp, Decided, OpBatch};
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::oneshot;
 
 pub struct ClusterBackend {
-    pub node: Arc<ClusterNode>,
-}
-
-fn to_result(decision: WireDecision) -> Result<Decision, BackendError> {
-    match decision {
-        WireDecision::Decided {
-            allowed,
-            credit,
-            next_reset_seconds,
-        } => Ok(Decision {
-            allowed,
-            credit,
-            next_reset_seconds,
-        }),
-        WireDecision::Unavailable(why) | WireDecision::Retry(why) => {
-            Err(BackendError::ShardUnavailable(why))
-        }
-        WireDecision::Full { live_keys_max } => Err(BackendError::Full(StoreFull {
-            live_keys_max: usize::try_from(live_keys_max).unwrap_or(usize::MAX),
-        })),
-    }
-}
-
-/// The final answer of one op (a `Retry` left at the deadline is an error).
-fn finish(decision: Option<WireDecision>) -> Result<Decision, BackendError> {
-    to_result(decision.unwrap_or_else(|| WireDecision::Unavailable("not decided".into())))
-}
-
-/// The wire form of an op: self-contained, resolvable on any node.
-pub fn wire_op(op: &CounterOp<'_>) -> WireOp {
-    let counter_id = stable_counter_id(
-        &op.rule.canonical_operation,
-        op.quota.credit_limit(),
-        op.quota.period_ms(),
-        op.rule.algorithm.as_str(),
-    );
-    let mut key = Vec::with_capacity(8 + op.actor.len());
-    counter_key(&mut key, counter_id, op.actor);
-    WireOp {
-        key,
-        algorithm: op.rule.algorithm,
-        credit_limit: op.quota.credit_limit(),
-        reset_seconds: op.quota.period_ms() / 1000,
-        peek: op.peek,
-    }
-}
-
-type Waiting = (u32, Vec<usize>, oneshot::Receiver<Vec<WireDecision>>);
-
-/// Pause before a hit that was not decided (no leader yet, leader moving) is
-/// sent again to whoever leads its shard by then.
-const RETRY_PAUSE_MS: u64 = 25;
-
-/// Sends the ops at `positions` to their shards' leaders (ops of one shard
-/// travel together, in order). Ops that cannot be sent get their answer in
-/// `results` at once; the others are returned to wait for.
-fn route(
-    node: &ClusterNode,
-    ops: &[WireOp],
-    shards: &[u32],
-    positions: &[usize],
-    results: &mut [Option<WireDecision>],
-) -> Vec<Waiting> {
-    let mut groups: Vec<(u32, Vec<usize>, Vec<WireOp>)> = Vec::new();
-    for &position in positions {
-        let shard = shards[position];
-        let op = ops[position].clone();
-        match groups.iter_mut().find(|(s, _, _)| *s == shard) {
-            Some((_, positions, group)) => {
-                positions.push(position);
-                group.push(op);
-            }
-            None => groups.push((shard, vec![position], vec![op])),
-        }
-    }
-    let mut waiting = Vec::new();
-    for (shard, positions, group) in groups {
-        let submitted = match node.leaders.leader(shard) {
-            None => Err(WireDecision::Retry(format!(
-                "shard {shard} unavailable: no leader (election in progress)"
-            ))),
-            Some(leader) if leader == node.id => node.submit_local(shard, group),
-            Some(leader) => node.submit_forward(leader, shard, group),
-        };
-        match submitted {
-            Ok(answer) => waiting.push((shard, positions, answer)),
-            Err(decision) => {
-                for position in positions {
-                    results[position] = Some(decision.clone());
-                }
-            }
-        }
-    }
-    waiting
+    pub dp: Arc<DataPlane>,
+    /// The rules every node of the cluster serves.
+    pub rules_fingerprint: u64,
 }
 
 impl Backend for ClusterBackend {
-    /// Hits that were not decided and so not counted (`WireDecision::Retry`:
-    /// no leader known, a leader handing over, a leader that could not be
-    /// reached) are sent again, every [`RETRY_PAUSE_MS`], to whoever leads
-    /// their shard then, until `forward_timeout_ms` is spent: a failover or a
-    /// handover shows as latency rather than errors when it ends in time.
-    fn decide(&self, ops: &[CounterOp<'_>], _now_ms: u64) -> Decided {
-        let node = Arc::clone(&self.node);
-        let wire: Vec<WireOp> = ops.iter().map(wire_op).collect();
-        let shards: Vec<u32> = wire
-            .iter()
-            .map(|op| node.placement.shard_of(&op.key))
-            .collect();
-        let all: Vec<usize> = (0..wire.len()).collect();
-        let mut results: Vec<Option<WireDecision>> = vec![None; wire.len()];
-        let waiting = route(&node, &wire, &shards, &all, &mut results);
-        let retrying = results
-            .iter()
-            .any(|r| matches!(r, Some(WireDecision::Retry(_))));
-        if waiting.is_empty() && !retrying {
-            return Decided::Ready(results.into_iter().map(finish).collect());
-        }
-        let timeout_ms = node.forward_timeout_ms;
-        Decided::Later(Box::pin(async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
-            let mut waiting = waiting;
-            loop {
-                for (shard, positions, answer) in waiting {
-                    let decisions = match tokio::time::timeout_at(deadline, answer).await {
-                        Ok(Ok(decisions)) => decisions,
-                        Ok(Err(_)) => Vec::new(),
-                        Err(_) => vec![
-                            WireDecision::Unavailable(format!(
-                                "shard {shard} unavailable: no answer within {timeout_ms} ms"
-                            ));
-                            positions.len()
-                        ],
-                    };
-                    let mut decisions = decisions.into_iter();
-                    for position in positions {
-                        results[position] = Some(decisions.next().unwrap_or_else(|| {
-                            WireDecision::Unavailable(format!(
-                                "shard {shard} unavailable: the request was dropped"
-                            ))
-                        }));
-                    }
-                }
-                let again: Vec<usize> = (0..results.len())
-                    .filter(|&i| matches!(results[i], Some(WireDecision::Retry(_))))
-                    .collect();
-                let pause = Duration::from_millis(RETRY_PAUSE_MS);
-                if again.is_empty() || tokio::time::Instant::now() + pause >= deadline {
-                    break;
-                }
-                tokio::time::sleep(pause).await;
-                waiting = route(&node, &wire, &shards, &again, &mut results);
+    /// One request alone: a batch of one.
+    fn decide(&self, ops: &[CounterOp<'_>], now_ms: u64) -> Decided {
+        let mut batch = Box::new(ClusterBatch::new(Arc::clone(&self.dp)));
+        match batch.decide(ops, now_ms) {
+            BatchDecided::Ready(decisions) => {
+                // Fast mode may have queued states to replicate.
+                let _ = batch.submit();
+                Decided::Ready(decisions)
             }
-            results.into_iter().map(finish).collect()
-        }))
+            BatchDecided::Slots { first } => {
+                let count = ops.len();
+                let Some(answers) = batch.submit() else {
+                    return Decided::Ready(Default::default());
+                };
+                Decided::Later(Box::pin(async move {
+                    let answers = answers.await;
+                    answers
+                        .into_iter()
+                        .skip(first as usize)
+                        .take(count)
+                        .collect()
+                }))
+            }
+        }
+    }
+
+    fn begin_batch(&self) -> Option<Box<dyn OpBatch>> {
+        Some(Box::new(ClusterBatch::new(Arc::clone(&self.dp))))
     }
 
     fn name(&self) -> &'static str {
@@ -189,7 +62,7 @@ impl Backend for ClusterBackend {
         &self,
         rules: &crate::rules::RuleSet,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        check_rules_fingerprint(self.node.hello.rules_fingerprint, rules.fingerprint())
+        check_rules_fingerprint(self.rules_fingerprint, rules.fingerprint())
     }
 }
 

@@ -1,15 +1,15 @@
-//! The peer protocol's bytes, and the only place that names bincode: a frame
-//! is `u32 LE length` (of what follows), `u64 LE request id`, then the
-//! message in bincode's standard configuration (varint integers). Snapshots
-//! use the same encoding. Frames are bounded by [`FRAME_BYTES_MAX`], checked
-//! before anything is allocated.
+//! The peer protocol's frames, and the only place that names bincode: a
+//! frame is `u32 LE length` (of what follows), `u64 LE request id`, then the
+//! body: a control message in bincode's standard configuration (varint
+//! integers), or, under the id [`DATA_FRAME_ID`](super::data_frames::DATA_FRAME_ID),
+//! data sections ([`data_frames`](super::data_frames)). Frames are bounded
+//! by [`FRAME_BYTES_MAX`], checked before anything is allocated.
 
-use super::storage::SnapshotContent;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-/// Largest frame accepted, in bytes (snapshot chunks are 3 MiB by default).
+/// Largest frame accepted, in bytes.
 pub const FRAME_BYTES_MAX: usize = 64 * 1024 * 1024;
 
 /// Bytes of a frame header: length and request id.
@@ -27,10 +27,6 @@ pub enum CodecError {
     Io(#[from] std::io::Error),
 }
 
-/// Largest snapshot decoded, in bytes (a shard's live counters; at about 40
-/// bytes a counter, some 13 million in one shard).
-pub const SNAPSHOT_BYTES_MAX: usize = 512 * 1024 * 1024;
-
 /// The encoding of frames. The limit makes the decoder refuse a length
 /// claimed inside a message (a string, a list) beyond the frame's bound
 /// before it allocates for it: without it, a 19-byte message claiming a
@@ -42,15 +38,6 @@ fn config() -> bincode::config::Configuration<
     bincode::config::Limit<FRAME_BYTES_MAX>,
 > {
     bincode::config::standard().with_limit::<FRAME_BYTES_MAX>()
-}
-
-/// The encoding of snapshots: as frames, bounded by [`SNAPSHOT_BYTES_MAX`].
-fn snapshot_config() -> bincode::config::Configuration<
-    bincode::config::LittleEndian,
-    bincode::config::Varint,
-    bincode::config::Limit<SNAPSHOT_BYTES_MAX>,
-> {
-    bincode::config::standard().with_limit::<SNAPSHOT_BYTES_MAX>()
 }
 
 /// Appends one frame carrying `message` under `request_id` to `out`.
@@ -85,6 +72,15 @@ pub async fn read_frame<T: DeserializeOwned>(
     reader: &mut (impl AsyncRead + Unpin),
     buf: &mut Vec<u8>,
 ) -> Result<(u64, T), CodecError> {
+    let id = read_raw_frame(reader, buf).await?;
+    Ok((id, decode(buf)?))
+}
+
+/// Reads one frame's request id, leaving its body in `buf`.
+pub async fn read_raw_frame(
+    reader: &mut (impl AsyncRead + Unpin),
+    buf: &mut Vec<u8>,
+) -> Result<u64, CodecError> {
     let mut header = [0u8; HEADER_BYTES];
     reader.read_exact(&mut header).await?;
     let length = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
@@ -101,20 +97,13 @@ pub async fn read_frame<T: DeserializeOwned>(
     buf.clear();
     buf.resize(length - 8, 0);
     reader.read_exact(buf).await?;
-    Ok((u64::from_le_bytes(id), decode(buf)?))
+    Ok(u64::from_le_bytes(id))
 }
 
 /// Decodes one message (a frame's body, after its header): the whole of
 /// `bytes` or an error. Public for the peer-frame fuzz target.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-    decode_with(bytes, config())
-}
-
-fn decode_with<T: DeserializeOwned, C: bincode::config::Config>(
-    bytes: &[u8],
-    config: C,
-) -> Result<T, CodecError> {
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config)
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
         .map_err(|error| CodecError::Decode(error.to_string()))?;
     if used != bytes.len() {
         return Err(CodecError::Decode(format!(
@@ -125,22 +114,12 @@ fn decode_with<T: DeserializeOwned, C: bincode::config::Config>(
     Ok(value)
 }
 
-pub fn encode_snapshot(content: &SnapshotContent) -> Result<Vec<u8>, CodecError> {
-    bincode::serde::encode_to_vec(content, snapshot_config())
-        .map_err(|error| CodecError::Encode(error.to_string()))
-}
-
-pub fn decode_snapshot(bytes: &[u8]) -> Result<SnapshotContent, CodecError> {
-    decode_with(bytes, snapshot_config())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::storage::{CounterBatch, ReplicatedCounter, TollgateRaft};
-    use crate::cluster::wire::{PeerRequest, PeerResponse, WireDecision, WireOp};
-    use crate::limiter::{CounterState, FullAt, Refill};
-    use crate::rules::Algorithm;
+    use crate::cluster::storage::TollgateRaft;
+    use crate::cluster::wire::{ApplyRefusal, PeerRequest, PeerResponse};
+    use crate::limiter::CounterState;
     use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse};
     use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Vote};
 
@@ -160,66 +139,10 @@ mod tests {
 
     #[tokio::test]
     async fn peer_messages_roundtrip() {
-        let ops = vec![
-            WireOp {
-                key: b"\x01\x02actor".to_vec(),
-                algorithm: Algorithm::FixedWindow,
-                credit_limit: 10,
-                reset_seconds: 60,
-                peek: false,
-            },
-            WireOp {
-                key: b"\x01\x03actor".to_vec(),
-                algorithm: Algorithm::TokenBucket,
-                credit_limit: 5,
-                reset_seconds: 1,
-                peek: true,
-            },
-            WireOp {
-                key: b"\x01\x04actor".to_vec(),
-                algorithm: Algorithm::SlidingWindow,
-                credit_limit: 100,
-                reset_seconds: 3600,
-                peek: false,
-            },
-        ];
-        match roundtrip(&PeerRequest::Hits(ops.clone())).await {
-            PeerRequest::Hits(back) => assert_eq!(back, ops),
-            other => panic!("{other:?}"),
-        }
         let log_id = LogId::new(CommittedLeaderId::new(3, 1), 42);
         let entry = Entry::<TollgateRaft> {
             log_id,
-            payload: EntryPayload::Normal(CounterBatch {
-                stamped_ms: 1_700_000_000_000,
-                counters: vec![
-                    ReplicatedCounter {
-                        key: b"k".to_vec(),
-                        state: CounterState::Window {
-                            end_ms: 1_700_000_060_000,
-                            used: 5,
-                        },
-                    },
-                    ReplicatedCounter {
-                        key: b"t".to_vec(),
-                        state: CounterState::TokenBucket {
-                            full_at: FullAt::from_shortfall(
-                                Refill::new(10, 1000).unwrap(),
-                                1_700_000_000_000,
-                                3,
-                            ),
-                        },
-                    },
-                    ReplicatedCounter {
-                        key: b"s".to_vec(),
-                        state: CounterState::SlidingWindow {
-                            expires_at_ms: 1_700_000_120_000,
-                            current: 4,
-                            previous: 9,
-                        },
-                    },
-                ],
-            }),
+            payload: EntryPayload::Normal(()),
         };
         let rpc = AppendEntriesRequest::<TollgateRaft> {
             vote: Vote::new_committed(3, 1),
@@ -240,20 +163,34 @@ mod tests {
             roundtrip(&response).await,
             PeerResponse::Append(Ok(AppendEntriesResponse::Success))
         ));
-        let decisions = vec![
-            WireDecision::Decided {
-                allowed: true,
-                credit: -1,
-                next_reset_seconds: 60,
+        let counters = vec![(
+            b"k".to_vec(),
+            CounterState::Window {
+                end_ms: 1_700_000_060_000,
+                used: 5,
             },
-            WireDecision::Unavailable("shard 3 unavailable: no leader".into()),
-            WireDecision::Retry("shard 4 unavailable: its leadership is being handed over".into()),
-            WireDecision::Full { live_keys_max: 7 },
-        ];
-        match roundtrip(&PeerResponse::Hits(decisions.clone())).await {
-            PeerResponse::Hits(back) => assert_eq!(back, decisions),
+        )];
+        match roundtrip(&PeerRequest::Sync {
+            shard: 2,
+            term: 9,
+            stamped_ms: 1_700_000_000_000,
+            counters: counters.clone(),
+        })
+        .await
+        {
+            PeerRequest::Sync {
+                shard: 2,
+                term: 9,
+                counters: back,
+                ..
+            } => assert_eq!(back, counters),
             other => panic!("{other:?}"),
         }
+        let fenced = PeerResponse::Collected(Err(ApplyRefusal::Fenced { term: 4 }));
+        assert!(matches!(
+            roundtrip(&fenced).await,
+            PeerResponse::Collected(Err(ApplyRefusal::Fenced { term: 4 }))
+        ));
     }
 
     #[tokio::test]
@@ -284,6 +221,5 @@ mod tests {
         ];
         assert!(decode::<PeerResponse>(&bytes).is_err());
         assert!(decode::<PeerRequest>(&bytes).is_err());
-        assert!(decode_snapshot(&bytes).is_err());
     }
 }

@@ -1,21 +1,26 @@
 //! Outgoing peer connections: one persistent TCP connection per peer node,
-//! shared by every shard group's Raft RPCs and by forwarded hits. Calls are
-//! multiplexed by request id and written in batches (everything queued when
-//! the writer wakes goes out in one write), answers are matched by id in any
-//! order. A broken connection fails its calls at once (never a hang) and is
-//! re-established on the next call; after a failed connect, calls within
-//! [`RECONNECT_BACKOFF_MS`] fail immediately instead of hammering a dead peer.
+//! carrying this node's control calls to the peer (every shard group's Raft
+//! RPCs, status queries, collections, syncs), multiplexed by request id and
+//! answered on the same connection in any order, and this node's data
+//! stream to the peer (the peer's [`PeerOut`]: forwarded hits, answers,
+//! rounds, acks). Whenever the writer wakes, everything queued (calls and
+//! the outbox's frame) goes out in one write; with nothing to send for a
+//! beat interval it sends a liveness beat, so peers notice a dead node
+//! without per-shard heartbeats.
 //!
-//! A call that times out keeps its slot until its answer arrives or the
-//! connection closes; the peer answers every request (its handlers are
-//! bounded by their own timeouts), so slots do not pile up. Calls in flight
-//! are bounded by their senders (64 forwarded batches per peer, one RPC per
-//! Raft replication stream).
+//! A broken connection fails its calls at once (never a hang), tells the
+//! data plane (which drops and answers what waited on it) and is
+//! re-established when there is something to send; after a failed connect,
+//! calls within [`RECONNECT_BACKOFF_MS`] fail immediately instead of
+//! hammering a dead peer. A call that times out keeps its slot until its
+//! answer arrives or the connection closes; the peer answers every request,
+//! so slots do not pile up.
 //!
 //! This module also adapts links to openraft's `RaftNetwork` for one shard.
 
 use super::auth::{self, PeerSecrets};
 use super::codec;
+use super::dataplane::{DataPlane, DataStats, PeerOut};
 use super::storage::TollgateRaft;
 use super::wire::{Hello, NodeReport, PeerRequest, PeerResponse};
 use super::NodeId;
@@ -33,7 +38,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -90,6 +95,8 @@ impl PeerLink {
         hello: Hello,
         secrets: Arc<PeerSecrets>,
         runtime: &tokio::runtime::Handle,
+        data: Arc<DataPlane>,
+        beat_ms: u64,
     ) -> Arc<PeerLink> {
         let (calls, receiver) = mpsc::unbounded_channel();
         let link = Arc::new(PeerLink {
@@ -100,10 +107,14 @@ impl PeerLink {
         });
         runtime.spawn(run_link(
             Arc::downgrade(&link),
-            target,
-            addr,
-            hello,
-            secrets,
+            LinkTarget {
+                id: target,
+                addr,
+                hello,
+                secrets,
+                data,
+                beat: Duration::from_millis(beat_ms.max(1)),
+            },
             receiver,
         ));
         link
@@ -141,30 +152,50 @@ fn fail_all(receiver: &mut mpsc::UnboundedReceiver<Call>, first: Option<Call>, e
     }
 }
 
-async fn run_link(
-    link: std::sync::Weak<PeerLink>,
-    target: NodeId,
+/// Who a link talks to, and how.
+struct LinkTarget {
+    id: NodeId,
     addr: SocketAddr,
     hello: Hello,
     secrets: Arc<PeerSecrets>,
+    data: Arc<DataPlane>,
+    beat: Duration,
+}
+
+async fn run_link(
+    link: std::sync::Weak<PeerLink>,
+    target: LinkTarget,
     mut receiver: mpsc::UnboundedReceiver<Call>,
 ) {
+    let out = target.data.out(target.id);
     let mut last_failure: Option<(Instant, LinkError)> = None;
-    while let Some(first) = receiver.recv().await {
+    loop {
+        // Connect when there is something to say: a call, data, or a beat.
+        let first = tokio::select! {
+            call = receiver.recv() => match call {
+                Some(call) => Some(call),
+                None => return,
+            },
+            _ = out.wake.notified() => None,
+            _ = tokio::time::sleep(target.beat) => None,
+        };
+        if link.strong_count() == 0 {
+            return;
+        }
         if let Some((at, error)) = &last_failure {
             if at.elapsed() < Duration::from_millis(RECONNECT_BACKOFF_MS) {
-                fail_all(&mut receiver, Some(first), error);
+                fail_all(&mut receiver, first, error);
                 continue;
             }
         }
         let connected = tokio::time::timeout(
             Duration::from_millis(CONNECT_TIMEOUT_MS),
-            connect(target, addr, &hello, &secrets),
+            connect(target.id, target.addr, &target.hello, &target.secrets),
         )
         .await
         .unwrap_or_else(|_| {
             Err(LinkError::Unreachable(
-                target,
+                target.id,
                 format!("no hello within {CONNECT_TIMEOUT_MS} ms"),
             ))
         });
@@ -176,12 +207,14 @@ async fn run_link(
         }
         match connected {
             Err(error) => {
-                fail_all(&mut receiver, Some(first), &error);
+                fail_all(&mut receiver, first, &error);
                 last_failure = Some((Instant::now(), error));
             }
             Ok((stream, _report)) => {
                 last_failure = None;
-                serve_connection(target, stream, first, &mut receiver).await;
+                target.data.peer_connected(target.id);
+                let lost = serve_connection(&target, stream, first, &mut receiver, &out).await;
+                target.data.peer_disconnected(target.id, &lost);
             }
         }
     }
@@ -231,18 +264,22 @@ fn fail_pending(pending: &Pending, error: &LinkError) {
     }
 }
 
-/// Runs one connection until it breaks: writes queued calls in batches, a
-/// reader task answers them by id.
+/// Runs one connection until it breaks: writes queued calls and the data
+/// outbox in one write per wake-up, and beats when idle; a reader task
+/// answers calls by id. Returns why it ended.
 async fn serve_connection(
-    target: NodeId,
+    target: &LinkTarget,
     stream: TcpStream,
-    first: Call,
+    first: Option<Call>,
     receiver: &mut mpsc::UnboundedReceiver<Call>,
-) {
-    let (mut read_half, mut write_half) = stream.into_split();
+    out: &PeerOut,
+) -> String {
+    let peer = target.id;
+    let (read_half, mut write_half) = stream.into_split();
     let pending: Pending = Arc::default();
     let reader_pending = Arc::clone(&pending);
     let mut reader = tokio::spawn(async move {
+        let mut read_half = BufReader::with_capacity(64 * 1024, read_half);
         let mut buf = Vec::new();
         loop {
             let (id, response) =
@@ -256,51 +293,80 @@ async fn serve_connection(
             }
         }
     });
+    let stats = &target.data.stats;
+    let mut beat = tokio::time::interval(target.beat);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut next_id: u64 = 1;
-    let mut out = Vec::new();
-    let mut next_call = Some(first);
+    let mut buf = Vec::new();
+    let mut next_call = first;
+    let mut wrote_since_beat = false;
     let lost = loop {
-        let call = match next_call.take() {
-            Some(call) => call,
-            None => tokio::select! {
+        let mut beat_due = false;
+        if next_call.is_none() {
+            tokio::select! {
                 call = receiver.recv() => match call {
-                    Some(call) => call,
+                    Some(call) => next_call = Some(call),
                     None => break "link closed".to_string(),
                 },
+                _ = out.wake.notified() => {}
+                _ = beat.tick() => {
+                    beat_due = !wrote_since_beat;
+                    wrote_since_beat = false;
+                }
                 ended = &mut reader => break ended.unwrap_or_else(|e| e.to_string()),
-            },
-        };
-        // Let the tasks woken with this one queue their calls too, so that
-        // one write carries them all (fewer syscalls and segments).
-        tokio::task::yield_now().await;
-        out.clear();
-        let mut queue = |call: Call, out: &mut Vec<u8>| {
+            }
+        }
+        buf.clear();
+        let mut frames = 0u64;
+        let mut queue = |call: Call, buf: &mut Vec<u8>| {
             let id = next_id;
             next_id += 1;
-            match codec::encode_frame(out, id, &call.request) {
+            match codec::encode_frame(buf, id, &call.request) {
                 Ok(()) => {
                     pending.lock().insert(id, call.reply);
                 }
                 Err(error) => {
                     let _ = call
                         .reply
-                        .send(Err(LinkError::Encode(target, error.to_string())));
+                        .send(Err(LinkError::Encode(peer, error.to_string())));
                 }
             }
         };
-        queue(call, &mut out);
-        while out.len() < WRITE_BATCH_BYTES_MAX {
+        if let Some(call) = next_call.take() {
+            queue(call, &mut buf);
+            frames += 1;
+        }
+        while buf.len() < WRITE_BATCH_BYTES_MAX {
             match receiver.try_recv() {
-                Ok(call) => queue(call, &mut out),
+                Ok(call) => {
+                    queue(call, &mut buf);
+                    frames += 1;
+                }
                 Err(_) => break,
             }
         }
-        if let Err(error) = write_half.write_all(&out).await {
+        if let Some(frame) = out.take_frame() {
+            buf.extend_from_slice(&frame);
+            out.give_back(frame);
+            frames += 1;
+        } else if beat_due && buf.is_empty() {
+            buf.extend_from_slice(&PeerOut::beat_frame());
+            frames += 1;
+        }
+        if buf.is_empty() {
+            continue;
+        }
+        if let Err(error) = write_half.write_all(&buf).await {
             break error.to_string();
         }
+        wrote_since_beat = true;
+        DataStats::add(&stats.writes, 1);
+        DataStats::add(&stats.frames_written, frames);
+        DataStats::add(&stats.bytes_written, buf.len() as u64);
     };
     reader.abort();
-    fail_pending(&pending, &LinkError::Lost(target, lost));
+    fail_pending(&pending, &LinkError::Lost(peer, lost.clone()));
+    lost
 }
 
 /// All links of a node, by peer id. Links are made when a peer first
@@ -315,6 +381,8 @@ pub struct Links {
     routes: BTreeMap<NodeId, SocketAddr>,
     /// The cluster secret every connection proves first (see `auth.rs`).
     secrets: Arc<PeerSecrets>,
+    data: Arc<DataPlane>,
+    beat_ms: u64,
 }
 
 impl Links {
@@ -323,6 +391,8 @@ impl Links {
         runtime: tokio::runtime::Handle,
         routes: BTreeMap<NodeId, SocketAddr>,
         secrets: Arc<PeerSecrets>,
+        data: Arc<DataPlane>,
+        beat_ms: u64,
     ) -> Links {
         Links {
             links: RwLock::default(),
@@ -330,6 +400,8 @@ impl Links {
             runtime,
             routes,
             secrets,
+            data,
+            beat_ms,
         }
     }
 
@@ -356,6 +428,8 @@ impl Links {
                     self.hello.clone(),
                     Arc::clone(&self.secrets),
                     &self.runtime,
+                    Arc::clone(&self.data),
+                    self.beat_ms,
                 );
                 links.insert(peer, Arc::clone(&link));
                 link

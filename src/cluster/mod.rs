@@ -4,17 +4,25 @@
 //! only one that names openraft types; the rest of the server sees a
 //! [`Backend`](crate::store::Backend) and a `TOPOLOGY` command.
 //!
-//! Layout: [`config`] (the cluster file), [`members`] (the member list at
-//! run time), `auth` (the shared secret and the peer-port handshake),
-//! [`placement`] (key → shard → replicas), [`storage`] (Raft log
-//! and state machine in memory), [`wire`] + [`codec`] (peer messages and
-//! their bytes), `links` (outgoing multiplexed peer connections, openraft's
-//! network), `shard` (a group's leader-side batching), `node` (joining,
-//! forwarding, moving shards, the peer server), `backend` (the `Backend` and
-//! `TOPOLOGY`), [`status`] (topology, `cluster status`), [`admin`]
-//! (`cluster add-node|remove-node`), [`client`] (a client that goes
-//! straight to leaders). See docs/cluster.md for the model and its
-//! guarantees.
+//! Layout:
+//! - configuration and membership: [`config`] (the cluster file),
+//!   [`members`] (the member list at run time), [`placement`] (key → shard →
+//!   replicas);
+//! - the data path: `replica` (a shard's fence and commit rule), `rounds`
+//!   (replication rounds and their commits), `dataplane` (outboxes, inbound
+//!   frames, the replicator), `forward` (a connection's read batch: local
+//!   decisions and forwarding), `backend` (the `Backend` and `TOPOLOGY`);
+//! - Raft for leadership and membership: [`storage`] (the groups' logs),
+//!   `leadership` (preparing leaders, elections, handovers);
+//! - the wire: [`wire`] (messages), [`codec`] (control frames, bincode),
+//!   [`data_frames`] (data sections, hand-encoded), `links` (outgoing peer
+//!   connections), `peer_server` (the peer port), [`auth`] (the handshake);
+//! - the node: `node` (replicas, reports, admin), `join`, `moves` (moving
+//!   shards, spreading leaders) planned by the pure [`plan`];
+//! - tools: [`status`] (topology, `cluster status`), [`admin`]
+//!   (`cluster add-node|remove-node`), [`client`] (straight to leaders).
+//!
+//! See docs/cluster.md for the model, the data path and the guarantees.
 
 pub mod admin;
 pub mod auth;
@@ -22,11 +30,20 @@ mod backend;
 pub mod client;
 pub mod codec;
 pub mod config;
+pub mod data_frames;
+mod dataplane;
+mod forward;
+mod join;
+mod leadership;
 mod links;
 pub mod members;
+mod moves;
 mod node;
+mod peer_server;
 pub mod placement;
-mod shard;
+pub mod plan;
+mod replica;
+mod rounds;
 pub mod status;
 pub mod storage;
 pub mod wire;
@@ -82,18 +99,22 @@ pub struct ClusterArgs {
     #[arg(long, value_enum, default_value_t = Consistency::Strict)]
     pub consistency: Consistency,
 
-    /// Raft heartbeat interval, in milliseconds.
+    /// How often a node beats to each peer when it has nothing else to
+    /// send, in milliseconds (the liveness signal that replaces per-shard
+    /// Raft heartbeats).
     #[arg(long, default_value_t = 100)]
     pub raft_heartbeat_ms: u64,
 
-    /// Raft election timeout, in milliseconds (the minimum; the maximum is
-    /// twice it). A follower that stops hearing its leader stands for
-    /// election after the leader lease (the maximum) plus a random timeout
-    /// between the two: 3 to 4 times this value, 0.9–1.2 s by default.
+    /// Election timeout, in milliseconds. A peer not heard from for twice
+    /// this is down: the voters of the shards it led stand for election,
+    /// the first-ranked at once, each next one this much later. Followers
+    /// also refuse other candidates for twice this after hearing a leader.
     #[arg(long, default_value_t = 300)]
     pub raft_election_timeout_ms: u64,
 
-    /// Fast mode: how often decided states are proposed, in milliseconds.
+    /// Fast mode: how long decided states may wait before they are sent to
+    /// the replicas, in milliseconds (a round also leaves when it holds
+    /// `--batch-ops-max` states).
     #[arg(long, default_value_t = 5)]
     pub replication_interval_ms: u64,
 
@@ -132,16 +153,18 @@ pub struct ClusterArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub leader_balance: bool,
 
-    /// Threads of the runtime that runs every Raft group of this node.
-    #[arg(long, default_value_t = 2)]
+    /// Threads of the runtime that runs the peer links, the replicator,
+    /// the shard groups and the handling of peers' frames.
+    #[arg(long, default_value_t = 1)]
     pub raft_threads: usize,
 
-    /// Most hits decided in one batch (one Raft entry, one peer message).
+    /// Fast mode: a replication round leaves at once when it holds this
+    /// many states.
     #[arg(long, default_value_t = 4_096)]
     pub batch_ops_max: usize,
 
-    /// Raft log entries between snapshots of a shard (a snapshot scans the
-    /// node's counters; the log keeps at most this many entries plus 100).
+    /// Raft log entries between snapshots of a shard group (its log holds
+    /// membership changes and new leaders' entries only).
     #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
 
@@ -214,8 +237,7 @@ impl LeaderTable {
         (leader != 0).then_some(leader)
     }
 
-    /// Sets a shard's leader as its own Raft group reports it.
-    pub fn set(&self, shard: u32, leader: Option<NodeId>, term: u64) {
+    fn store(&self, shard: u32, leader: Option<NodeId>, term: u64) {
         if let (Some(slot), Some(term_slot)) = (
             self.leader.get(shard as usize),
             self.term.get(shard as usize),
@@ -225,17 +247,35 @@ impl LeaderTable {
         }
     }
 
+    fn known(&self, shard: u32) -> (Option<NodeId>, u64) {
+        let term = self
+            .term
+            .get(shard as usize)
+            .map_or(0, |t| t.load(Ordering::Acquire));
+        (self.leader(shard), term)
+    }
+
+    /// Sets a shard's leader as this node's replica of it reports it, in
+    /// its term. A replica that knows no leader (a new one, not added yet,
+    /// or one between elections) does not hide a leader of the same or a
+    /// newer term learned from peers.
+    pub fn set(&self, shard: u32, leader: Option<NodeId>, term: u64) {
+        let (known, known_term) = self.known(shard);
+        if term > known_term || (term == known_term && (leader.is_some() || known.is_none())) {
+            self.store(shard, leader, term);
+        }
+    }
+
     /// Records a leader a peer claims, unless a newer term is known.
     pub fn observe(&self, shard: u32, leader: NodeId, term: u64) {
-        if let Some(term_slot) = self.term.get(shard as usize) {
-            if term >= term_slot.load(Ordering::Acquire) {
-                self.set(shard, Some(leader), term);
-            }
+        let (known, known_term) = self.known(shard);
+        if term > known_term || (term == known_term && known.is_none()) {
+            self.store(shard, Some(leader), term);
         }
     }
 }
 
-/// A running cluster member: its Raft runtime and node.
+/// A running cluster member: its runtime and node.
 pub struct Cluster {
     node: Arc<node::ClusterNode>,
     client_addr: SocketAddr,
@@ -246,7 +286,8 @@ pub struct Cluster {
 impl Cluster {
     pub fn backend(&self) -> Arc<dyn Backend> {
         Arc::new(backend::ClusterBackend {
-            node: Arc::clone(&self.node),
+            dp: Arc::clone(&self.node.dp),
+            rules_fingerprint: self.node.hello.rules_fingerprint,
         })
     }
 
@@ -272,28 +313,34 @@ impl Cluster {
             self.node.members().nodes.len(),
             self.node.file.shards,
             self.node.file.replicas,
-            self.node.group_count(),
+            self.node.replica_count(),
             self.node.hello.consistency
         )
     }
 }
 
 fn raft_config(args: &ClusterArgs) -> Result<Arc<openraft::Config>, ClusterError> {
-    let election_ms = args.raft_election_timeout_ms.max(2);
+    let election_ms = args.raft_election_timeout_ms.max(3);
+    // Groups send no heartbeats and run no election timers (see
+    // leadership.rs): the heartbeat interval only bounds how long a leader
+    // waits for its voters when it confirms itself, and the election
+    // timeouts only set the leader lease (a voter refuses other candidates
+    // for `election_timeout_max` after a message from its leader), which a
+    // handover must wait out: keep it just above that bound.
+    let confirm_ms = (election_ms * 2 / 3).max(1);
     let config = openraft::Config {
         cluster_name: "tollgate".into(),
-        heartbeat_interval: args.raft_heartbeat_ms.max(1),
-        election_timeout_min: election_ms,
-        election_timeout_max: election_ms * 2,
+        heartbeat_interval: confirm_ms,
+        election_timeout_min: confirm_ms + 1,
+        election_timeout_max: confirm_ms + 2,
         install_snapshot_timeout: 2_000,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(
             args.snapshot_every_entries.max(1),
         ),
-        // Entries kept after a snapshot, for followers slightly behind;
-        // one further behind catches up from the snapshot.
         max_in_snapshot_log_to_keep: (args.snapshot_every_entries / 2).clamp(1, 100),
         purge_batch_size: 64,
-        // Elections start once the node has joined (see node.rs).
+        enable_tick: false,
+        enable_heartbeat: false,
         enable_elect: false,
         ..Default::default()
     };
@@ -304,8 +351,8 @@ fn raft_config(args: &ClusterArgs) -> Result<Arc<openraft::Config>, ClusterError
 }
 
 /// Starts this node's part of the cluster when `--cluster` is given:
-/// links to peers, one Raft group per shard it replicates, the peer server,
-/// then joins. Returns `None` without `--cluster`.
+/// links to peers, the data plane, one Raft group per shard it replicates,
+/// the peer server, then joins. Returns `None` without `--cluster`.
 pub fn start(
     args: &ClusterArgs,
     rules: &RuleSet,
@@ -341,25 +388,30 @@ pub fn start(
         layout_fingerprint: file.layout_fingerprint(),
         consistency: args.consistency.as_str().to_string(),
     };
+    let leaders = Arc::new(LeaderTable::new(placement.shards()));
+    let dp = Arc::new(dataplane::DataPlane::new(
+        id,
+        placement,
+        store,
+        clock,
+        leaders,
+        dataplane::DataSettings {
+            consistency: args.consistency,
+            commit_timeout_ms: args.commit_timeout_ms.max(1),
+            forward_timeout_ms: args.forward_timeout_ms.max(1),
+            replication_interval_ms: args.replication_interval_ms.max(1),
+            batch_ops_max: args.batch_ops_max.max(1),
+            liveness_timeout_ms: args.raft_election_timeout_ms.max(3) * 2,
+        },
+    ));
     let links = Arc::new(links::Links::new(
         hello.clone(),
         runtime.handle().clone(),
         routes,
         Arc::clone(&secrets),
+        Arc::clone(&dp),
+        args.raft_heartbeat_ms.max(1),
     ));
-    let leaders = Arc::new(LeaderTable::new(placement.shards()));
-    let factory = node::GroupFactory {
-        raft_config,
-        store,
-        clock,
-        settings: shard::WorkerSettings {
-            node_id: id,
-            consistency: args.consistency,
-            commit_timeout_ms: args.commit_timeout_ms.max(1),
-            replication_interval_ms: args.replication_interval_ms.max(1),
-            batch_ops_max: args.batch_ops_max.max(1),
-        },
-    };
     let node = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(me.peer)
             .await
@@ -371,22 +423,30 @@ pub fn start(
             id,
             file,
             hello,
+            Arc::clone(&dp),
             links,
-            leaders,
-            factory,
-            args.forward_timeout_ms.max(1),
-            args.raft_election_timeout_ms,
-            args.shard_moves_max,
-            args.leader_balance,
+            node::GroupFactory { raft_config },
+            node::NodeSettings {
+                election_timeout_ms: args.raft_election_timeout_ms.max(3),
+                shard_moves_max: args.shard_moves_max,
+                leader_balance: args.leader_balance,
+            },
         ));
-        tokio::spawn(node::serve_peers(listener, Arc::clone(&node), secrets));
-        node.join(node::JoinSettings {
+        tokio::spawn(Arc::clone(&dp).run_replicator());
+        tokio::spawn(peer_server::serve_peers(
+            listener,
+            Arc::clone(&node),
+            secrets,
+        ));
+        tokio::spawn(Arc::clone(&node).resync_on_connect());
+        node.join(join::JoinSettings {
             join_wait_ms: args.join_wait_ms,
             join_existing: args.join_existing,
         })
         .await?;
         tokio::spawn(Arc::clone(&node).poll_peers());
         tokio::spawn(Arc::clone(&node).rebalance());
+        tokio::spawn(leadership::watch_elections(Arc::clone(&node)));
         Ok::<_, ClusterError>(node)
     })?;
     Ok(Some(Cluster {

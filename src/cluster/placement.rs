@@ -23,10 +23,17 @@ const COUNTER_SEED: u64 = 0x434f_554e_5445_5231; // "COUNTER1"
 
 /// A fixed 64-bit hash of `bytes` under `seed`, the same in every process.
 pub fn stable_hash(seed: u64, bytes: &[u8]) -> u64 {
+    stable_hash_parts(seed, &[bytes])
+}
+
+/// [`stable_hash`] of the concatenation of `parts`, without building it.
+fn stable_hash_parts(seed: u64, parts: &[&[u8]]) -> u64 {
     let mut hash = 0xcbf2_9ce4_8422_2325 ^ seed;
-    for &byte in bytes {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    for part in parts {
+        for &byte in *part {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
     }
     splitmix64(hash)
 }
@@ -48,13 +55,16 @@ pub fn stable_counter_id(
     period_ms: u64,
     algorithm: &str,
 ) -> u64 {
-    let mut bytes = Vec::with_capacity(canonical_operation.len() + 32);
-    bytes.extend_from_slice(canonical_operation.as_bytes());
-    bytes.push(0);
-    bytes.extend_from_slice(&credit_limit.to_le_bytes());
-    bytes.extend_from_slice(&period_ms.to_le_bytes());
-    bytes.extend_from_slice(algorithm.as_bytes());
-    stable_hash(COUNTER_SEED, &bytes)
+    stable_hash_parts(
+        COUNTER_SEED,
+        &[
+            canonical_operation.as_bytes(),
+            &[0],
+            &credit_limit.to_le_bytes(),
+            &period_ms.to_le_bytes(),
+            algorithm.as_bytes(),
+        ],
+    )
 }
 
 /// Writes a counter's cluster key: the stable counter id (8 bytes, little
@@ -127,6 +137,31 @@ impl Placement {
     }
 
     /// The shards `node` replicates.
+    /// For every shard, its replicas in the order they should lead it: the
+    /// first is chosen so that first choices spread evenly over the nodes
+    /// (shard by shard, the replica first for the fewest shards so far),
+    /// the rest follow in replica order. Every node computes the same.
+    pub fn leader_orders(&self) -> Vec<Vec<NodeId>> {
+        let mut firsts: std::collections::BTreeMap<NodeId, usize> =
+            std::collections::BTreeMap::new();
+        (0..self.shards)
+            .map(|shard| {
+                let mut replicas = self.replicas_of(shard);
+                let best = replicas
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(i, node)| (firsts.get(node).copied().unwrap_or(0), *i))
+                    .map(|(i, _)| i);
+                if let Some(best) = best {
+                    let first = replicas.remove(best);
+                    *firsts.entry(first).or_default() += 1;
+                    replicas.insert(0, first);
+                }
+                replicas
+            })
+            .collect()
+    }
+
     pub fn shards_of_node(&self, node: NodeId) -> Vec<u32> {
         (0..self.shards)
             .filter(|&shard| self.replicas_of(shard).contains(&node))
@@ -169,6 +204,25 @@ mod tests {
         let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
         // 1000 expected per shard; a fair hash stays well within ±15%.
         assert!(*min > 850 && *max < 1150, "min {min}, max {max}");
+    }
+
+    #[test]
+    fn first_leaders_spread_evenly() {
+        let placement = Placement::new(64, 3, vec![1, 2, 3]);
+        let mut firsts: HashMap<NodeId, usize> = HashMap::new();
+        let orders = placement.leader_orders();
+        for shard in 0..64 {
+            let order = orders[shard as usize].clone();
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            let mut replicas = placement.replicas_of(shard);
+            replicas.sort_unstable();
+            assert_eq!(sorted, replicas, "a rotation of the replicas");
+            *firsts.entry(order[0]).or_default() += 1;
+        }
+        for count in firsts.values() {
+            assert!((20..=23).contains(count), "{firsts:?}");
+        }
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub struct TopologyNode {
     /// Answered the status query just now.
     pub up: bool,
     pub live_keys: Option<u64>,
+    /// Its data-path counters since it started.
+    #[serde(default)]
+    pub stats: Option<super::wire::NodeStats>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +111,7 @@ pub async fn gather(node: &ClusterNode) -> Topology {
                 peer: addresses.peer.to_string(),
                 up: report.is_some(),
                 live_keys: report.map(|r| r.live_keys),
+                stats: report.map(|r| r.stats.clone()),
             }
         })
         .collect();
@@ -198,6 +202,32 @@ pub fn render(topology: &Topology) -> String {
             node.peer,
             node.live_keys.map_or("-".into(), |n| n.to_string()),
             leads
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nDATA PATH (since start)  ROUNDS  STATES/SECTION  SECTIONS/ROUND  FORWARDED  HITS/BATCH  WRITES  FRAMES/WRITE"
+    );
+    let ratio = |a: u64, b: u64| {
+        if b == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.1}", a as f64 / b as f64)
+        }
+    };
+    for node in &topology.nodes {
+        let Some(stats) = &node.stats else { continue };
+        let _ = writeln!(
+            out,
+            "node {:<19} {:<7} {:<15} {:<15} {:<10} {:<11} {:<7} {}",
+            node.id,
+            stats.rounds,
+            ratio(stats.states_replicated, stats.round_sections),
+            ratio(stats.round_sections, stats.rounds),
+            stats.forwarded_ops,
+            ratio(stats.forwarded_ops, stats.forward_batches),
+            stats.writes,
+            ratio(stats.frames_written, stats.writes),
         );
     }
     let moving = topology.moves_pending();

@@ -1,16 +1,18 @@
 //! The messages nodes exchange on the peer port. Every connection opens with
 //! a [`Hello`] (identity and fingerprints, so nodes with different rules or
-//! cluster files refuse each other), then carries requests and responses
-//! correlated by request id, many in flight at once: Raft RPCs of every shard
-//! group, batches of forwarded hits, and status queries. The byte encoding is
-//! [`codec`](super::codec)'s business alone.
+//! cluster files refuse each other), then carries control requests and
+//! responses correlated by request id, many in flight at once (Raft RPCs of
+//! every shard group, status queries, counter collections and syncs,
+//! membership), and data frames (forwarded hits, answers, replication rounds,
+//! acks). Control messages are encoded by [`codec`](super::codec), data
+//! frames by [`data_frames`](super::data_frames); the types both share
+//! (decisions, refusals) are defined here.
 
 use super::config::NodeAddresses;
 use super::members::Members;
 use super::storage::TollgateRaft;
 use super::NodeId;
-use crate::limiter::Decision;
-use crate::rules::Algorithm;
+use crate::limiter::{CounterState, Decision};
 use openraft::error::{InstallSnapshotError, RaftError};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
@@ -19,21 +21,32 @@ use openraft::raft::{
 use openraft::LogId;
 use serde::{Deserialize, Serialize};
 
-/// One counter operation as it travels between nodes. It is self-contained:
-/// the leader needs no rule lookup, only the key and the quota.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireOp {
-    /// The cluster key: stable counter id (8 bytes LE) + actor.
-    pub key: Vec<u8>,
-    /// The rule's algorithm: the leader decides with it.
-    pub algorithm: Algorithm,
-    pub credit_limit: u64,
-    pub reset_seconds: u64,
-    /// Answer without counting (`PEEK`).
-    pub peek: bool,
+/// Why a shard could not decide a hit, carried between nodes and shown to
+/// clients as `shard N unavailable: <why>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum ShardRefusal {
+    #[error("no leader (election in progress)")]
+    NoLeader,
+    #[error("node {0} leads it, not this node")]
+    NotLeader(NodeId),
+    #[error("node {0} does not replicate it")]
+    NotReplicated(NodeId),
+    #[error("its leadership is being handed to another replica")]
+    HandingOver,
+    #[error("its new leader is gathering the replicas' counters")]
+    Preparing,
+    #[error("a leader of term {0} has taken over")]
+    Superseded(u64),
+    #[error("not committed within {0} ms")]
+    CommitTimeout(u64),
+    #[error("a forwarded hit carried an invalid quota")]
+    InvalidQuota,
+    /// Link failures, timeouts: said as they happened.
+    #[error("{0}")]
+    Other(String),
 }
 
-/// The answer to one [`WireOp`].
+/// The answer to one forwarded counter op.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WireDecision {
     Decided {
@@ -41,14 +54,23 @@ pub enum WireDecision {
         credit: i64,
         next_reset_seconds: i64,
     },
-    /// The shard cannot decide now (no leader, lost leadership, commit timed
-    /// out); the text is shown to the client.
-    Unavailable(String),
+    /// The shard could not decide, and the hit may have been counted (it
+    /// reached a leader that lost its leadership, or its commit timed out):
+    /// never sent again.
+    Unavailable { shard: u32, why: ShardRefusal },
     /// The leader's live-key cap was reached.
     Full { live_keys_max: u64 },
-    /// Not decided and not counted (no leader, the leader is handing over or
-    /// unreachable): the sender may send it again to the shard's leader.
-    Retry(String),
+    /// Not decided and not counted (no leader, a leader handing over, a
+    /// leader fenced by a newer one, a link down before sending): the
+    /// sender may send it again to the shard's leader.
+    Retry { shard: u32, why: ShardRefusal },
+}
+
+impl WireDecision {
+    /// The text a client sees for a shard that could not decide.
+    pub fn describe(shard: u32, why: &ShardRefusal) -> String {
+        format!("shard {shard} unavailable: {why}")
+    }
 }
 
 impl From<Decision> for WireDecision {
@@ -60,6 +82,19 @@ impl From<Decision> for WireDecision {
         }
     }
 }
+
+/// Why a replica did not apply counter states a leader sent (a round, a
+/// sync) or did not answer a new leader's collection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ApplyRefusal {
+    /// The replica promised a leader of this newer term.
+    Fenced { term: u64 },
+    /// The node holds no replica of the shard.
+    NotReplica,
+}
+
+/// Counter states as control messages carry them (collections, syncs).
+pub type CounterList = Vec<(Vec<u8>, CounterState)>;
 
 /// The first message of every peer connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,6 +126,53 @@ pub struct ShardReport {
     pub learners: Vec<NodeId>,
     /// When this node leads and is moving the shard: what the move is doing.
     pub moving: Option<String>,
+    /// This node leads the shard and decides its hits (prepared).
+    pub ready: bool,
+}
+
+/// A node's data-path counters since it started (see docs/cluster.md).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStats {
+    /// Replication rounds sent, their shard sections, and the counter
+    /// states they carried (one per admitted hit, less what merged).
+    pub rounds: u64,
+    pub round_sections: u64,
+    pub states_replicated: u64,
+    pub sections_committed: u64,
+    pub sections_failed: u64,
+    /// States applied here as a follower, and refused (fenced).
+    pub states_applied: u64,
+    pub states_refused: u64,
+    /// Batches of hits forwarded to leaders, and the hits in them.
+    pub forward_batches: u64,
+    pub forwarded_ops: u64,
+    /// Forwarded hits decided here as leader.
+    pub forwards_decided: u64,
+    /// Writes to peer connections, the frames they carried, their bytes.
+    pub writes: u64,
+    pub frames_written: u64,
+    pub bytes_written: u64,
+}
+
+impl NodeStats {
+    pub fn read(stats: &super::dataplane::DataStats) -> NodeStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        NodeStats {
+            rounds: stats.rounds.load(Relaxed),
+            round_sections: stats.round_sections.load(Relaxed),
+            states_replicated: stats.states_replicated.load(Relaxed),
+            sections_committed: stats.sections_committed.load(Relaxed),
+            sections_failed: stats.sections_failed.load(Relaxed),
+            states_applied: stats.states_applied.load(Relaxed),
+            states_refused: stats.states_refused.load(Relaxed),
+            forward_batches: stats.forward_batches.load(Relaxed),
+            forwarded_ops: stats.forwarded_ops.load(Relaxed),
+            forwards_decided: stats.forwards_decided.load(Relaxed),
+            writes: stats.writes.load(Relaxed),
+            frames_written: stats.frames_written.load(Relaxed),
+            bytes_written: stats.bytes_written.load(Relaxed),
+        }
+    }
 }
 
 /// A node's view of itself, answered to `Hello` and `Status`.
@@ -101,6 +183,7 @@ pub struct NodeReport {
     pub shards: Vec<ShardReport>,
     /// The newest member list this node knows.
     pub members: Members,
+    pub stats: NodeStats,
 }
 
 /// Operator requests (`tollgate cluster add-node|remove-node`), accepted on
@@ -131,8 +214,20 @@ pub enum PeerRequest {
         shard: u32,
         rpc: InstallSnapshotRequest<TollgateRaft>,
     },
-    /// Forwarded hits, answered per op in order.
-    Hits(Vec<WireOp>),
+    /// A new leader of `term` gathers the shard's counters: the replica
+    /// promises to refuse states of older terms, then answers what it holds.
+    Collect {
+        shard: u32,
+        term: u64,
+    },
+    /// Part of a shard's counters from its leader of `term` (catching a
+    /// replica up); answered once merged.
+    Sync {
+        shard: u32,
+        term: u64,
+        stamped_ms: u64,
+        counters: CounterList,
+    },
     Status,
     /// A newer member list (answered with the list the node then holds).
     Members(Members),
@@ -150,7 +245,8 @@ pub enum PeerResponse {
     Vote(Result<VoteResponse<NodeId>, RaftError<NodeId>>),
     Append(Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>),
     Snapshot(Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>),
-    Hits(Vec<WireDecision>),
+    Collected(Result<CounterList, ApplyRefusal>),
+    Synced(Result<(), ApplyRefusal>),
     Status(NodeReport),
     Members(Members),
     /// `Elect` was started.

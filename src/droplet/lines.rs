@@ -160,7 +160,9 @@ mod tests {
                 reply.encode(&mut out);
                 String::from_utf8(out).unwrap().trim_end().to_string()
             }
-            Some(Outcome::Later(_)) => panic!("bucket commands answer at once"),
+            Some(Outcome::Later(_) | Outcome::Deferred(_)) => {
+                panic!("bucket commands answer at once")
+            }
             None => "(not handled)".to_string(),
         }
     }

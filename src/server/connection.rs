@@ -6,11 +6,14 @@
 
 use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
-use crate::engine::{Engine, Outcome, Reply};
+use crate::engine::{DeferredHit, Engine, EngineBatch, Outcome, Reply};
 use crate::protocol::split_line;
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesOrdered, StreamExt};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -36,13 +39,46 @@ pub enum Ended {
     Idle,
 }
 
+/// Replies waiting in request order: one request's (a network backend's
+/// future), or a read batch's run of requests decided together (a batching
+/// backend: one future for the whole run).
+enum PendingReplies {
+    One(BoxFuture<'static, Reply>),
+    Run(BoxFuture<'static, Vec<Reply>>),
+}
+
+enum ReadyReplies {
+    One(Reply),
+    Run(Vec<Reply>),
+}
+
+impl Future for PendingReplies {
+    type Output = ReadyReplies;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<ReadyReplies> {
+        match self.get_mut() {
+            PendingReplies::One(future) => future.as_mut().poll(cx).map(ReadyReplies::One),
+            PendingReplies::Run(future) => future.as_mut().poll(cx).map(ReadyReplies::Run),
+        }
+    }
+}
+
+/// A request of a batched run: answered already, or waiting for the batch.
+enum RunItem {
+    Ready(Reply),
+    Deferred(DeferredHit),
+}
+
 struct Connection {
     socket: ClientSocket,
     engine: Arc<Engine>,
     limits: Limits,
     input: InputBuffer,
     output: Vec<u8>,
-    pending: FuturesOrdered<BoxFuture<'static, Reply>>,
+    pending: FuturesOrdered<PendingReplies>,
+    /// Requests of the current read batch that follow its first deferred
+    /// hit, in order (empty unless the backend batches).
+    run: Vec<RunItem>,
     /// An `ERR` was produced: stop executing, flush, close.
     closing: bool,
     /// No more input will be read (shutdown or EOF); finish what was read.
@@ -86,6 +122,7 @@ pub async fn serve(
         ),
         output: Vec::with_capacity(READ_CHUNK_BYTES),
         pending: FuturesOrdered::new(),
+        run: Vec::new(),
         closing: false,
         input_done: false,
         arrival: engine.arrival(),
@@ -143,11 +180,11 @@ impl Connection {
             };
             tokio::select! {
                 biased;
-                Some(reply) = self.pending.next(), if !self.pending.is_empty() => {
-                    self.push_reply(reply);
+                Some(replies) = self.pending.next(), if !self.pending.is_empty() => {
+                    self.push_replies(replies);
                     // Collect every other reply that is already done, to answer them in one write.
-                    while let Some(Some(reply)) = self.pending.next().now_or_never() {
-                        self.push_reply(reply);
+                    while let Some(Some(replies)) = self.pending.next().now_or_never() {
+                        self.push_replies(replies);
                     }
                 }
                 read = self.socket.read(&mut self.input), if can_read => {
@@ -179,9 +216,12 @@ impl Connection {
     }
 
     /// Executes every complete line in the buffer, unless the pipeline is full
-    /// or an error ended the conversation.
+    /// or an error ended the conversation. With a batching backend the lines
+    /// of one call share one batch: the requests from its first deferred hit
+    /// on wait for the batch as one run.
     fn execute_buffered_lines(&mut self) {
-        while !self.closing && self.pending.len() < self.limits.pipeline_max {
+        let mut batch = self.engine.begin_batch();
+        while !self.closing && self.pending.len() + self.run.len() < self.limits.pipeline_max {
             let unread = self.input.unread();
             let Some((line, used)) = split_line(unread) else {
                 if unread.len() > self.limits.line_bytes_max {
@@ -193,18 +233,56 @@ impl Connection {
                 self.fail_line_too_long();
                 break;
             }
-            let outcome = self.engine.execute(line, self.arrival);
+            let outcome = match batch.as_mut() {
+                Some(batch) => self.engine.execute_in(line, self.arrival, batch),
+                None => self.engine.execute(line, self.arrival),
+            };
             self.input.consume(used);
             match outcome {
                 Outcome::Now(reply) => self.queue_reply(reply),
-                Outcome::Later(future) => self.pending.push_back(future),
+                Outcome::Later(future) => {
+                    // Replies keep request order: the run so far goes first.
+                    if batch.is_some() {
+                        self.end_run(batch.take());
+                        batch = self.engine.begin_batch();
+                    }
+                    self.pending.push_back(PendingReplies::One(future));
+                }
+                Outcome::Deferred(hit) => self.run.push(RunItem::Deferred(hit)),
             }
         }
+        self.end_run(batch);
         if self.input.unread().is_empty() {
             self.partial_line_since = None;
         } else if self.partial_line_since.is_none() {
             self.partial_line_since = Some(tokio::time::Instant::now());
         }
+    }
+
+    /// Submits the batch and queues its run (if any) as one pending item.
+    fn end_run(&mut self, batch: Option<EngineBatch>) {
+        let Some(batch) = batch else {
+            return;
+        };
+        let (rules, answers) = batch.submit();
+        if self.run.is_empty() {
+            return;
+        }
+        let run = std::mem::take(&mut self.run);
+        let engine = Arc::clone(&self.engine);
+        self.pending
+            .push_back(PendingReplies::Run(Box::pin(async move {
+                let answers = match answers {
+                    Some(answers) => answers.await,
+                    None => Vec::new(),
+                };
+                run.into_iter()
+                    .map(|item| match item {
+                        RunItem::Ready(reply) => reply,
+                        RunItem::Deferred(hit) => engine.finish_deferred(&rules, &hit, &answers),
+                    })
+                    .collect()
+            })));
     }
 
     fn fail_line_too_long(&mut self) {
@@ -220,10 +298,28 @@ impl Connection {
         if reply.closes_connection() {
             self.closing = true;
         }
-        if self.pending.is_empty() {
+        if !self.run.is_empty() {
+            self.run.push(RunItem::Ready(reply));
+        } else if self.pending.is_empty() {
             self.push_reply(reply);
         } else {
-            self.pending.push_back(Box::pin(std::future::ready(reply)));
+            self.pending
+                .push_back(PendingReplies::One(Box::pin(std::future::ready(reply))));
+        }
+    }
+
+    fn push_replies(&mut self, replies: ReadyReplies) {
+        match replies {
+            ReadyReplies::One(reply) => self.push_reply(reply),
+            ReadyReplies::Run(replies) => {
+                for reply in replies {
+                    let closes = reply.closes_connection();
+                    self.push_reply(reply);
+                    if closes {
+                        break; // nothing after an ERR is answered
+                    }
+                }
+            }
         }
     }
 

@@ -53,10 +53,42 @@ pub enum Decided {
     Later(BoxFuture<'static, Decisions>),
 }
 
+/// The answers of a read batch's deferred ops, by slot (see [`OpBatch`]).
+pub type SlotAnswers = Vec<Result<Decision, BackendError>>;
+
+/// How [`OpBatch::decide`] answered one request's ops.
+pub enum BatchDecided {
+    /// Every op is decided already.
+    Ready(Decisions),
+    /// The request's ops were given slots `first..first + ops.len()` of the
+    /// batch, answered when the batch's future resolves.
+    Slots { first: u32 },
+}
+
+/// One read batch's ops, gathered by a backend that answers them together
+/// (the cluster: one message per peer per read batch, one wake-up when
+/// every answer is in). Ops it can decide at once it answers at once;
+/// the others get slots. [`OpBatch::submit`] sends what was gathered.
+pub trait OpBatch: Send {
+    /// Decides one request's ops, in order (see [`Backend::decide`]).
+    fn decide(&mut self, ops: &[CounterOp<'_>], now_ms: u64) -> BatchDecided;
+
+    /// Sends what was gathered; the future resolves with every slot's
+    /// answer (`None` when no op got a slot).
+    fn submit(self: Box<Self>) -> Option<BoxFuture<'static, SlotAnswers>>;
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// Decides every op in order. Ops of one request are applied in order, so
     /// a canary rule and the deciding rule sharing a counter see each other.
     fn decide(&self, ops: &[CounterOp<'_>], now_ms: u64) -> Decided;
+
+    /// A batch for the ops of one read of a connection, for backends that
+    /// decide many requests' ops together (`None`: decide each request with
+    /// [`Backend::decide`]).
+    fn begin_batch(&self) -> Option<Box<dyn OpBatch>> {
+        None
+    }
 
     /// A short name for logs and metrics ("memory", "redis", "cluster").
     fn name(&self) -> &'static str;

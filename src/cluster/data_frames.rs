@@ -1,0 +1,617 @@
+//! The bytes of the peer *data stream*: the hot messages between two nodes
+//! (forwarded hits, their answers, replication rounds, acknowledgements,
+//! liveness beats), hand-encoded because they carry every hit. Control
+//! messages (Raft RPCs, status, membership) stay in [`codec`](super::codec)
+//! with bincode.
+//!
+//! A data frame is the usual frame header (`u32 LE length`, `u64 LE id` =
+//! [`DATA_FRAME_ID`]) followed by *sections*: `tag u8`, then the section's
+//! fields. Integers are LEB128 varints (signed ones zigzagged), byte strings
+//! are a varint length and the bytes. Everything a reader decodes is
+//! bounds-checked: a short or garbled frame is an error, never a panic, and
+//! a claimed length larger than what is left is refused before anything is
+//! allocated (the `data_frames` fuzz target checks this).
+
+use super::wire::{ApplyRefusal, ShardRefusal, WireDecision};
+use crate::limiter::{CounterState, FullAt};
+use crate::rules::Algorithm;
+
+/// The request id that marks a frame as a data frame (control frames use
+/// ids from 0 up, answered in kind).
+pub const DATA_FRAME_ID: u64 = u64::MAX;
+
+/// Section tags.
+pub mod tag {
+    /// Hits for shards the receiver leads: `batch varint, count varint, ops`.
+    pub const FORWARD: u8 = 1;
+    /// Answers to forwarded hits: `count varint, (batch, index, decision)*`.
+    pub const ANSWERS: u8 = 2;
+    /// Counter states a leader decided: `round varint, stamped_ms varint,
+    /// shard varint, term varint, count varint, (key, state)*`.
+    pub const ROUND: u8 = 3;
+    /// Rounds applied: `upto varint, count varint, (round, shard, refusal)*`.
+    pub const ACK: u8 = 4;
+    /// Nothing to say: the sender is alive.
+    pub const BEAT: u8 = 5;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("data frame ends inside a section")]
+    Truncated,
+    #[error("data frame has an unknown section tag {0}")]
+    UnknownTag(u8),
+    #[error("data frame has an invalid {0}")]
+    Invalid(&'static str),
+}
+
+/// Appends a varint.
+pub fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+fn put_signed(out: &mut Vec<u8>, value: i64) {
+    put_varint(out, ((value << 1) ^ (value >> 63)) as u64);
+}
+
+pub fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    put_varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+fn put_text(out: &mut Vec<u8>, text: &str) {
+    put_bytes(out, text.as_bytes());
+}
+
+/// Appends a counter state.
+pub fn put_state(out: &mut Vec<u8>, state: &CounterState) {
+    match *state {
+        CounterState::Window { end_ms, used } => {
+            out.push(0);
+            put_varint(out, end_ms);
+            put_varint(out, used);
+        }
+        CounterState::TokenBucket { full_at } => {
+            let (ms, remainder) = full_at.to_parts();
+            out.push(1);
+            put_varint(out, ms);
+            put_varint(out, remainder);
+        }
+        CounterState::SlidingWindow {
+            expires_at_ms,
+            current,
+            previous,
+        } => {
+            out.push(2);
+            put_varint(out, expires_at_ms);
+            put_varint(out, current);
+            put_varint(out, previous);
+        }
+    }
+}
+
+fn algorithm_code(algorithm: Algorithm) -> u8 {
+    match algorithm {
+        Algorithm::FixedWindow => 0,
+        Algorithm::TokenBucket => 1,
+        Algorithm::SlidingWindow => 2,
+    }
+}
+
+/// Appends one forwarded op: key, algorithm and peek in one byte, quota.
+pub fn put_op(out: &mut Vec<u8>, op: &OpView<'_>) {
+    put_bytes(out, op.key);
+    out.push(algorithm_code(op.algorithm) | if op.peek { 0x80 } else { 0 });
+    put_varint(out, op.credit_limit);
+    put_varint(out, op.reset_seconds);
+}
+
+fn put_refusal(out: &mut Vec<u8>, refusal: &ShardRefusal) {
+    match refusal {
+        ShardRefusal::NoLeader => out.push(0),
+        ShardRefusal::NotLeader(node) => {
+            out.push(1);
+            put_varint(out, *node);
+        }
+        ShardRefusal::NotReplicated(node) => {
+            out.push(2);
+            put_varint(out, *node);
+        }
+        ShardRefusal::HandingOver => out.push(3),
+        ShardRefusal::Preparing => out.push(4),
+        ShardRefusal::Superseded(term) => {
+            out.push(5);
+            put_varint(out, *term);
+        }
+        ShardRefusal::CommitTimeout(ms) => {
+            out.push(6);
+            put_varint(out, *ms);
+        }
+        ShardRefusal::InvalidQuota => out.push(7),
+        ShardRefusal::Other(text) => {
+            out.push(8);
+            put_text(out, text);
+        }
+    }
+}
+
+/// Appends one decision.
+pub fn put_decision(out: &mut Vec<u8>, decision: &WireDecision) {
+    match decision {
+        WireDecision::Decided {
+            allowed,
+            credit,
+            next_reset_seconds,
+        } => {
+            out.push(u8::from(*allowed));
+            put_signed(out, *credit);
+            put_signed(out, *next_reset_seconds);
+        }
+        WireDecision::Unavailable { shard, why } => {
+            out.push(2);
+            put_varint(out, u64::from(*shard));
+            put_refusal(out, why);
+        }
+        WireDecision::Retry { shard, why } => {
+            out.push(3);
+            put_varint(out, u64::from(*shard));
+            put_refusal(out, why);
+        }
+        WireDecision::Full { live_keys_max } => {
+            out.push(4);
+            put_varint(out, *live_keys_max);
+        }
+    }
+}
+
+/// Starts a section that ends with a count: writes the tag and the fixed
+/// fields, and reserves room for the count (5 bytes, enough for a u32).
+/// [`end_counted`] fills it in.
+pub fn begin_counted(out: &mut Vec<u8>, tag: u8, fields: &[u64]) -> usize {
+    out.push(tag);
+    for &field in fields {
+        put_varint(out, field);
+    }
+    let at = out.len();
+    out.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x00]);
+    at
+}
+
+/// Writes `count` into the room [`begin_counted`] reserved at `at`, as a
+/// five-byte varint (padded with continuation bits).
+pub fn end_counted(out: &mut [u8], at: usize, count: u32) {
+    let mut value = count;
+    for i in 0..5 {
+        let last = i == 4;
+        let byte = (value & 0x7f) as u8;
+        value >>= 7;
+        out[at + i] = if last { byte } else { byte | 0x80 };
+    }
+}
+
+/// A forwarded op as it is read (borrowing the frame's bytes) or written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpView<'a> {
+    pub key: &'a [u8],
+    pub algorithm: Algorithm,
+    pub credit_limit: u64,
+    pub reset_seconds: u64,
+    pub peek: bool,
+}
+
+/// A bounds-checked reader over a frame's body.
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(bytes: &'a [u8]) -> Reader<'a> {
+        Reader { bytes }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn u8(&mut self) -> Result<u8, FrameError> {
+        let (&first, rest) = self.bytes.split_first().ok_or(FrameError::Truncated)?;
+        self.bytes = rest;
+        Ok(first)
+    }
+
+    pub fn varint(&mut self) -> Result<u64, FrameError> {
+        let mut value: u64 = 0;
+        for shift in (0..70).step_by(7) {
+            let byte = self.u8()?;
+            if shift == 63 && byte > 1 {
+                return Err(FrameError::Invalid("varint"));
+            }
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        Err(FrameError::Invalid("varint"))
+    }
+
+    pub fn u32(&mut self) -> Result<u32, FrameError> {
+        u32::try_from(self.varint()?).map_err(|_| FrameError::Invalid("32-bit number"))
+    }
+
+    fn signed(&mut self) -> Result<i64, FrameError> {
+        let raw = self.varint()?;
+        Ok(((raw >> 1) as i64) ^ -((raw & 1) as i64))
+    }
+
+    pub fn bytes(&mut self) -> Result<&'a [u8], FrameError> {
+        let length = self.varint()?;
+        let length = usize::try_from(length).map_err(|_| FrameError::Truncated)?;
+        if length > self.bytes.len() {
+            return Err(FrameError::Truncated);
+        }
+        let (taken, rest) = self.bytes.split_at(length);
+        self.bytes = rest;
+        Ok(taken)
+    }
+
+    fn text(&mut self) -> Result<String, FrameError> {
+        let bytes = self.bytes()?;
+        Ok(String::from_utf8_lossy(bytes).into_owned())
+    }
+
+    pub fn state(&mut self) -> Result<CounterState, FrameError> {
+        Ok(match self.u8()? {
+            0 => CounterState::Window {
+                end_ms: self.varint()?,
+                used: self.varint()?,
+            },
+            1 => {
+                let ms = self.varint()?;
+                let remainder = self.varint()?;
+                CounterState::TokenBucket {
+                    full_at: FullAt::from_parts(ms, remainder),
+                }
+            }
+            2 => CounterState::SlidingWindow {
+                expires_at_ms: self.varint()?,
+                current: self.varint()?,
+                previous: self.varint()?,
+            },
+            _ => return Err(FrameError::Invalid("counter state")),
+        })
+    }
+
+    pub fn op(&mut self) -> Result<OpView<'a>, FrameError> {
+        let key = self.bytes()?;
+        let flags = self.u8()?;
+        let algorithm = match flags & 0x7f {
+            0 => Algorithm::FixedWindow,
+            1 => Algorithm::TokenBucket,
+            2 => Algorithm::SlidingWindow,
+            _ => return Err(FrameError::Invalid("algorithm")),
+        };
+        Ok(OpView {
+            key,
+            algorithm,
+            peek: flags & 0x80 != 0,
+            credit_limit: self.varint()?,
+            reset_seconds: self.varint()?,
+        })
+    }
+
+    fn refusal(&mut self) -> Result<ShardRefusal, FrameError> {
+        Ok(match self.u8()? {
+            0 => ShardRefusal::NoLeader,
+            1 => ShardRefusal::NotLeader(self.varint()?),
+            2 => ShardRefusal::NotReplicated(self.varint()?),
+            3 => ShardRefusal::HandingOver,
+            4 => ShardRefusal::Preparing,
+            5 => ShardRefusal::Superseded(self.varint()?),
+            6 => ShardRefusal::CommitTimeout(self.varint()?),
+            7 => ShardRefusal::InvalidQuota,
+            8 => ShardRefusal::Other(self.text()?),
+            _ => return Err(FrameError::Invalid("refusal")),
+        })
+    }
+
+    pub fn decision(&mut self) -> Result<WireDecision, FrameError> {
+        Ok(match self.u8()? {
+            code @ (0 | 1) => WireDecision::Decided {
+                allowed: code == 1,
+                credit: self.signed()?,
+                next_reset_seconds: self.signed()?,
+            },
+            2 => WireDecision::Unavailable {
+                shard: self.u32()?,
+                why: self.refusal()?,
+            },
+            3 => WireDecision::Retry {
+                shard: self.u32()?,
+                why: self.refusal()?,
+            },
+            4 => WireDecision::Full {
+                live_keys_max: self.varint()?,
+            },
+            _ => return Err(FrameError::Invalid("decision")),
+        })
+    }
+
+    /// A count of items each at least `min_bytes` long, checked against
+    /// what is left (so a garbled count cannot make a reader reserve much).
+    pub fn count(&mut self, min_bytes: usize) -> Result<u32, FrameError> {
+        let count = self.u32()?;
+        if (count as usize).saturating_mul(min_bytes.max(1)) > self.bytes.len() {
+            return Err(FrameError::Truncated);
+        }
+        Ok(count)
+    }
+}
+
+/// A replication round section, as read.
+pub struct RoundHeader {
+    pub round: u64,
+    pub stamped_ms: u64,
+    pub shard: u32,
+    pub term: u64,
+    pub count: u32,
+}
+
+impl RoundHeader {
+    pub fn read(reader: &mut Reader<'_>) -> Result<RoundHeader, FrameError> {
+        Ok(RoundHeader {
+            round: reader.varint()?,
+            stamped_ms: reader.varint()?,
+            shard: reader.u32()?,
+            term: reader.varint()?,
+            // A key (1 byte at least) and a state (3 bytes at least).
+            count: reader.count(4)?,
+        })
+    }
+}
+
+/// Appends an ack section: every round up to `upto` was applied, except the
+/// listed sections.
+pub fn put_ack(out: &mut Vec<u8>, upto: u64, refused: &[(u64, u32, ApplyRefusal)]) {
+    out.push(tag::ACK);
+    put_varint(out, upto);
+    put_varint(out, refused.len() as u64);
+    for &(round, shard, refusal) in refused {
+        put_varint(out, round);
+        put_varint(out, u64::from(shard));
+        match refusal {
+            ApplyRefusal::Fenced { term } => {
+                out.push(0);
+                put_varint(out, term);
+            }
+            ApplyRefusal::NotReplica => out.push(1),
+        }
+    }
+}
+
+/// An ack section, as read.
+pub struct Ack {
+    pub upto: u64,
+    pub refused: Vec<(u64, u32, ApplyRefusal)>,
+}
+
+impl Ack {
+    pub fn read(reader: &mut Reader<'_>) -> Result<Ack, FrameError> {
+        let upto = reader.varint()?;
+        let count = reader.count(3)?;
+        let mut refused = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let round = reader.varint()?;
+            let shard = reader.u32()?;
+            let refusal = match reader.u8()? {
+                0 => ApplyRefusal::Fenced {
+                    term: reader.varint()?,
+                },
+                1 => ApplyRefusal::NotReplica,
+                _ => return Err(FrameError::Invalid("apply refusal")),
+            };
+            refused.push((round, shard, refusal));
+        }
+        Ok(Ack { upto, refused })
+    }
+}
+
+/// Reads every section of a data frame's body without acting on it (the
+/// readers the data plane uses, in the same order); returns how many
+/// sections there were. For the `data_frames` fuzz target and tests.
+pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
+    let mut reader = Reader::new(body);
+    let mut sections = 0;
+    while !reader.is_empty() {
+        match reader.u8()? {
+            tag::FORWARD => {
+                reader.varint()?;
+                for _ in 0..reader.count(4)? {
+                    reader.op()?;
+                }
+            }
+            tag::ANSWERS => {
+                for _ in 0..reader.count(3)? {
+                    reader.varint()?;
+                    reader.u32()?;
+                    reader.decision()?;
+                }
+            }
+            tag::ROUND => {
+                let header = RoundHeader::read(&mut reader)?;
+                for _ in 0..header.count {
+                    reader.bytes()?;
+                    reader.state()?;
+                }
+            }
+            tag::ACK => {
+                Ack::read(&mut reader)?;
+            }
+            tag::BEAT => {}
+            other => return Err(FrameError::UnknownTag(other)),
+        }
+        sections += 1;
+    }
+    Ok(sections)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::Refill;
+
+    #[test]
+    fn sections_roundtrip() {
+        let mut out = Vec::new();
+        let op = OpView {
+            key: b"\x01\x02actor",
+            algorithm: Algorithm::SlidingWindow,
+            credit_limit: 1_000_000_000_000,
+            reset_seconds: 3600,
+            peek: true,
+        };
+        let at = begin_counted(&mut out, tag::FORWARD, &[77]);
+        put_op(&mut out, &op);
+        put_op(&mut out, &OpView { peek: false, ..op });
+        end_counted(&mut out, at, 2);
+        let states = [
+            CounterState::Window {
+                end_ms: 1_700_000_060_000,
+                used: 5,
+            },
+            CounterState::TokenBucket {
+                full_at: FullAt::from_shortfall(
+                    Refill::new(10, 1000).unwrap(),
+                    1_700_000_000_000,
+                    3,
+                ),
+            },
+            CounterState::SlidingWindow {
+                expires_at_ms: 1_700_000_120_000,
+                current: 4,
+                previous: 9,
+            },
+        ];
+        let at = begin_counted(&mut out, tag::ROUND, &[9, 1_700_000_000_000, 63, 12]);
+        for (i, state) in states.iter().enumerate() {
+            put_bytes(&mut out, &[i as u8; 10]);
+            put_state(&mut out, state);
+        }
+        end_counted(&mut out, at, states.len() as u32);
+        let decisions = [
+            WireDecision::Decided {
+                allowed: true,
+                credit: -1,
+                next_reset_seconds: 60,
+            },
+            WireDecision::Decided {
+                allowed: false,
+                credit: 0,
+                next_reset_seconds: i64::MIN,
+            },
+            WireDecision::Unavailable {
+                shard: 3,
+                why: ShardRefusal::CommitTimeout(400),
+            },
+            WireDecision::Retry {
+                shard: 4,
+                why: ShardRefusal::Other("because".into()),
+            },
+            WireDecision::Full { live_keys_max: 7 },
+        ];
+        out.push(tag::ANSWERS);
+        put_varint(&mut out, decisions.len() as u64);
+        for (i, decision) in decisions.iter().enumerate() {
+            put_varint(&mut out, 5);
+            put_varint(&mut out, i as u64);
+            put_decision(&mut out, decision);
+        }
+        put_ack(
+            &mut out,
+            41,
+            &[
+                (40, 3, ApplyRefusal::Fenced { term: 9 }),
+                (41, 1, ApplyRefusal::NotReplica),
+            ],
+        );
+
+        let mut reader = Reader::new(&out);
+        assert_eq!(reader.u8().unwrap(), tag::FORWARD);
+        assert_eq!(reader.varint().unwrap(), 77);
+        assert_eq!(reader.count(4).unwrap(), 2);
+        assert_eq!(reader.op().unwrap(), op);
+        assert_eq!(reader.op().unwrap(), OpView { peek: false, ..op });
+        assert_eq!(reader.u8().unwrap(), tag::ROUND);
+        let header = RoundHeader::read(&mut reader).unwrap();
+        assert_eq!(
+            (
+                header.round,
+                header.stamped_ms,
+                header.shard,
+                header.term,
+                header.count
+            ),
+            (9, 1_700_000_000_000, 63, 12, 3)
+        );
+        for (i, state) in states.iter().enumerate() {
+            assert_eq!(reader.bytes().unwrap(), &[i as u8; 10]);
+            assert_eq!(&reader.state().unwrap(), state);
+        }
+        assert_eq!(reader.u8().unwrap(), tag::ANSWERS);
+        assert_eq!(reader.count(3).unwrap(), decisions.len() as u32);
+        for (i, decision) in decisions.iter().enumerate() {
+            assert_eq!(reader.varint().unwrap(), 5);
+            assert_eq!(reader.varint().unwrap(), i as u64);
+            assert_eq!(&reader.decision().unwrap(), decision);
+        }
+        assert_eq!(reader.u8().unwrap(), tag::ACK);
+        let ack = Ack::read(&mut reader).unwrap();
+        assert_eq!(ack.upto, 41);
+        assert_eq!(
+            ack.refused,
+            vec![
+                (40, 3, ApplyRefusal::Fenced { term: 9 }),
+                (41, 1, ApplyRefusal::NotReplica)
+            ]
+        );
+        assert!(reader.is_empty());
+    }
+
+    #[test]
+    fn garbled_input_is_an_error_not_a_panic() {
+        // A length far beyond the frame.
+        let mut reader = Reader::new(&[0xff, 0xff, 0xff, 0xff, 0x0f, 1, 2]);
+        assert_eq!(reader.bytes(), Err(FrameError::Truncated));
+        // A varint of eleven bytes.
+        let mut reader = Reader::new(&[0xff; 11]);
+        assert_eq!(reader.varint(), Err(FrameError::Invalid("varint")));
+        // A count claiming more items than bytes left.
+        let mut reader = Reader::new(&[100, 1, 2, 3]);
+        assert_eq!(reader.count(1), Err(FrameError::Truncated));
+        // Unknown codes.
+        assert!(Reader::new(&[9]).state().is_err());
+        assert!(Reader::new(&[1, 0, 0x7f, 1, 1]).op().is_err());
+        assert!(Reader::new(&[9]).decision().is_err());
+        assert!(Reader::new(&[]).u8().is_err());
+    }
+
+    #[test]
+    fn counted_sections_hold_any_u32_count() {
+        for count in [0, 1, 127, 128, 16_383, 16_384, u32::MAX] {
+            let mut out = Vec::new();
+            let at = begin_counted(&mut out, tag::FORWARD, &[]);
+            end_counted(&mut out, at, count);
+            let mut reader = Reader::new(&out[1..]);
+            assert_eq!(reader.u32().unwrap(), count);
+            assert!(reader.is_empty());
+        }
+    }
+}

@@ -1,0 +1,906 @@
+//! The cluster's data path on one node: where every hit's counter state goes
+//! after a decision, and where hits for shards led elsewhere go.
+//!
+//! - **Outboxes.** For each peer, one buffer of encoded data sections
+//!   ([`PeerOut`]): forwarded hits, answers, replication rounds and the
+//!   cumulative ack are appended by whoever produces them (serving threads,
+//!   the replicator, frames being read) and written by the peer's link in
+//!   one frame per wake-up, so a busy node writes one frame per peer however
+//!   many hits it carries.
+//! - **Rounds.** States decided by this node as a shard's leader collect in
+//!   the open round; the replicator (one task) closes it whenever it runs,
+//!   sends each shard's section to the shard's other replicas and tracks
+//!   the acks ([`rounds`](super::rounds)); committed sections release their
+//!   waiting answers (strict mode).
+//! - **Inbound frames** are handled inline, in the order they arrive:
+//!   forwarded hits are decided on this node's store as their shard's
+//!   leader, rounds are applied through the shard's fence, acks and answers
+//!   release what waits for them.
+//!
+//! Everything here is synchronous and short; locks are held for a copy.
+
+use super::data_frames::{
+    begin_counted, end_counted, put_ack, put_decision, put_op, put_varint, tag, Ack, FrameError,
+    OpView, Reader, RoundHeader, DATA_FRAME_ID,
+};
+use super::forward::{ForwardWait, SlotBoard};
+use super::placement::Placement;
+use super::replica::{LocalDecision, Replica};
+use super::rounds::{Ended, InFlight, RoundBuilder, SectionEnd, SentSection, Waiter};
+use super::wire::{ApplyRefusal, CounterList, ShardRefusal, WireDecision};
+use super::{Consistency, LeaderTable, NodeId};
+use crate::clock::Clock;
+use crate::limiter::CounterState;
+use crate::store::{MemoryStore, StoreFull};
+use arc_swap::ArcSwapOption;
+use parking_lot::{Mutex, RwLock};
+use smallvec::SmallVec;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+
+/// Bytes a peer's outbox may hold before new data for it is turned away
+/// (the peer, or the link to it, is not keeping up).
+pub const OUTBOX_BYTES_MAX: usize = 32 * 1024 * 1024;
+/// Bytes of a frame header: length and request id.
+const FRAME_HEADER_BYTES: usize = 12;
+
+/// Settings of the data path.
+#[derive(Debug, Clone)]
+pub struct DataSettings {
+    pub consistency: Consistency,
+    pub commit_timeout_ms: u64,
+    pub forward_timeout_ms: u64,
+    /// Fast mode: how long a round stays open at most.
+    pub replication_interval_ms: u64,
+    /// A round is closed at once when it holds this many states.
+    pub batch_ops_max: usize,
+    /// A peer silent for this long counts as down.
+    pub liveness_timeout_ms: u64,
+}
+
+/// Counters of the data path, for `/metrics` and `cluster status`.
+#[derive(Default)]
+pub struct DataStats {
+    pub rounds: AtomicU64,
+    pub round_sections: AtomicU64,
+    pub states_replicated: AtomicU64,
+    pub sections_committed: AtomicU64,
+    pub sections_failed: AtomicU64,
+    pub states_applied: AtomicU64,
+    pub states_refused: AtomicU64,
+    pub forward_batches: AtomicU64,
+    pub forwarded_ops: AtomicU64,
+    pub forwards_decided: AtomicU64,
+    pub writes: AtomicU64,
+    pub frames_written: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub dropped_at_cap: AtomicU64,
+}
+
+impl DataStats {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+struct OutInner {
+    /// The frame being built: a reserved header, then sections.
+    body: Vec<u8>,
+    spare: Vec<u8>,
+    /// Highest round of this peer's applied here, to acknowledge.
+    ack_upto: u64,
+    ack_refused: Vec<(u64, u32, ApplyRefusal)>,
+    ack_dirty: bool,
+}
+
+impl OutInner {
+    fn is_empty(&self) -> bool {
+        self.body.len() <= FRAME_HEADER_BYTES && !self.ack_dirty
+    }
+}
+
+/// What this node has to send one peer on the data stream, and what it
+/// knows of the peer's link.
+pub struct PeerOut {
+    pub peer: NodeId,
+    inner: Mutex<OutInner>,
+    /// Wakes the peer's link writer.
+    pub wake: Notify,
+    connected: AtomicBool,
+    /// Frames taken by the link so far (forwards appended after the last
+    /// take have not left this node).
+    taken: AtomicU64,
+    /// When something was last heard from the peer (ms since `epoch`).
+    heard_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl PeerOut {
+    fn new(peer: NodeId, epoch: Instant) -> PeerOut {
+        PeerOut {
+            peer,
+            inner: Mutex::new(OutInner {
+                body: vec![0; FRAME_HEADER_BYTES],
+                spare: Vec::new(),
+                ack_upto: 0,
+                ack_refused: Vec::new(),
+                ack_dirty: false,
+            }),
+            wake: Notify::new(),
+            connected: AtomicBool::new(false),
+            taken: AtomicU64::new(0),
+            // A peer learned of just now gets the benefit of the doubt for
+            // one liveness timeout.
+            heard_ms: AtomicU64::new((epoch.elapsed().as_millis() as u64).max(1)),
+            epoch,
+        }
+    }
+
+    pub fn connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Records that the peer was heard from just now.
+    pub fn heard(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.heard_ms.store(ms.max(1), Ordering::Relaxed);
+    }
+
+    /// Heard from within `ms`?
+    pub fn heard_within(&self, ms: u64) -> bool {
+        let at = self.heard_ms.load(Ordering::Relaxed);
+        at != 0 && (self.epoch.elapsed().as_millis() as u64).saturating_sub(at) < ms
+    }
+
+    /// Appends sections with `write`, unless the outbox is full; returns
+    /// the number of the frame they will go in.
+    fn append(&self, write: impl FnOnce(&mut Vec<u8>)) -> Option<u64> {
+        let mut inner = self.inner.lock();
+        if inner.body.len() > OUTBOX_BYTES_MAX {
+            return None;
+        }
+        write(&mut inner.body);
+        Some(self.taken.load(Ordering::Acquire) + 1)
+    }
+
+    fn record_ack(&self, round: u64, refused: Option<(u32, ApplyRefusal)>) {
+        let mut inner = self.inner.lock();
+        inner.ack_upto = inner.ack_upto.max(round);
+        if let Some((shard, refusal)) = refused {
+            if inner.ack_refused.len() < 65_536 {
+                inner.ack_refused.push((round, shard, refusal));
+            }
+        }
+        inner.ack_dirty = true;
+    }
+
+    /// Takes the frame built so far (header filled in), if there is
+    /// anything to send. Give the buffer back with [`PeerOut::give_back`].
+    pub fn take_frame(&self) -> Option<Vec<u8>> {
+        let mut inner = self.inner.lock();
+        if inner.is_empty() {
+            return None;
+        }
+        if inner.ack_dirty {
+            let (upto, refused) = (inner.ack_upto, std::mem::take(&mut inner.ack_refused));
+            put_ack(&mut inner.body, upto, &refused);
+            inner.ack_dirty = false;
+        }
+        let mut next = std::mem::take(&mut inner.spare);
+        next.clear();
+        next.resize(FRAME_HEADER_BYTES, 0);
+        let mut frame = std::mem::replace(&mut inner.body, next);
+        self.taken.fetch_add(1, Ordering::AcqRel);
+        drop(inner);
+        let length = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&length.to_le_bytes());
+        frame[4..FRAME_HEADER_BYTES].copy_from_slice(&DATA_FRAME_ID.to_le_bytes());
+        Some(frame)
+    }
+
+    /// Returns a frame's buffer for reuse.
+    pub fn give_back(&self, frame: Vec<u8>) {
+        if frame.capacity() <= 4 * 1024 * 1024 {
+            self.inner.lock().spare = frame;
+        }
+    }
+
+    /// A frame with only a liveness beat.
+    pub fn beat_frame() -> Vec<u8> {
+        let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + 1);
+        frame.extend_from_slice(&((8 + 1) as u32).to_le_bytes());
+        frame.extend_from_slice(&DATA_FRAME_ID.to_le_bytes());
+        frame.push(tag::BEAT);
+        frame
+    }
+
+    /// Drops what was queued (the connection broke); returns the number of
+    /// frames taken, to tell sent forwards from unsent ones.
+    fn reset(&self) -> u64 {
+        let mut inner = self.inner.lock();
+        inner.body.truncate(FRAME_HEADER_BYTES);
+        inner.ack_dirty = false;
+        inner.ack_refused.clear();
+        self.taken.load(Ordering::Acquire)
+    }
+}
+
+/// A state decided by a leader, waiting to enter the open round.
+pub struct DecidedState {
+    pub shard: u32,
+    pub term: u64,
+    pub state: CounterState,
+    pub waiter: Option<Waiter>,
+}
+
+pub struct DataPlane {
+    pub me: NodeId,
+    pub placement: Placement,
+    pub store: Arc<MemoryStore>,
+    pub clock: Arc<dyn Clock>,
+    pub leaders: Arc<LeaderTable>,
+    pub settings: DataSettings,
+    pub stats: DataStats,
+    replicas: Box<[ArcSwapOption<Replica>]>,
+    outs: RwLock<HashMap<NodeId, Arc<PeerOut>>>,
+    round: Mutex<RoundBuilder>,
+    in_flight: Mutex<InFlight>,
+    forwards: Mutex<HashMap<u64, ForwardWait>>,
+    next_batch: AtomicU64,
+    /// Wakes the replicator.
+    replicate: Notify,
+    /// Peers whose link (re)connected since the node last looked, and the
+    /// signal that there are some (their shards are synced to them).
+    connected_peers: Mutex<Vec<NodeId>>,
+    pub connect_events: Notify,
+    epoch: Instant,
+}
+
+impl DataPlane {
+    pub fn new(
+        me: NodeId,
+        placement: Placement,
+        store: Arc<MemoryStore>,
+        clock: Arc<dyn Clock>,
+        leaders: Arc<LeaderTable>,
+        settings: DataSettings,
+    ) -> DataPlane {
+        DataPlane {
+            me,
+            replicas: (0..placement.shards())
+                .map(|_| ArcSwapOption::empty())
+                .collect(),
+            placement,
+            store,
+            clock,
+            leaders,
+            settings,
+            stats: DataStats::default(),
+            outs: RwLock::default(),
+            round: Mutex::default(),
+            in_flight: Mutex::new(InFlight::new(me)),
+            forwards: Mutex::default(),
+            next_batch: AtomicU64::new(1),
+            replicate: Notify::new(),
+            connected_peers: Mutex::default(),
+            connect_events: Notify::new(),
+            epoch: Instant::now(),
+        }
+    }
+
+    pub fn strict(&self) -> bool {
+        self.settings.consistency == Consistency::Strict
+    }
+
+    pub fn replica(&self, shard: u32) -> Option<Arc<Replica>> {
+        self.replicas.get(shard as usize)?.load_full()
+    }
+
+    pub fn install_replica(&self, replica: Arc<Replica>) {
+        if let Some(slot) = self.replicas.get(replica.shard as usize) {
+            slot.store(Some(replica));
+        }
+    }
+
+    pub fn remove_replica(&self, shard: u32) {
+        if let Some(slot) = self.replicas.get(shard as usize) {
+            slot.store(None);
+        }
+    }
+
+    /// The outbox for `peer`, made on first use.
+    pub fn out(&self, peer: NodeId) -> Arc<PeerOut> {
+        if let Some(out) = self.outs.read().get(&peer) {
+            return Arc::clone(out);
+        }
+        let mut outs = self.outs.write();
+        Arc::clone(
+            outs.entry(peer)
+                .or_insert_with(|| Arc::new(PeerOut::new(peer, self.epoch))),
+        )
+    }
+
+    fn existing_out(&self, peer: NodeId) -> Option<Arc<PeerOut>> {
+        self.outs.read().get(&peer).cloned()
+    }
+
+    /// Is `peer` up, as far as this node can tell (heard from recently)?
+    pub fn alive(&self, peer: NodeId) -> bool {
+        peer == self.me
+            || self
+                .existing_out(peer)
+                .is_some_and(|out| out.heard_within(self.settings.liveness_timeout_ms))
+    }
+
+    /// The link to `peer` connected.
+    pub fn peer_connected(&self, peer: NodeId) {
+        self.out(peer).connected.store(true, Ordering::Release);
+        self.connected_peers.lock().push(peer);
+        self.connect_events.notify_one();
+    }
+
+    /// Peers whose link connected since the last call.
+    pub fn take_connected_peers(&self) -> Vec<NodeId> {
+        std::mem::take(&mut *self.connected_peers.lock())
+    }
+
+    /// The link to `peer` broke: what was queued for it is dropped,
+    /// forwarded hits waiting on it are answered (sent ones may have been
+    /// counted: `unavailable`; unsent ones may go elsewhere: retried), and
+    /// its later acks no longer count for rounds sent before.
+    pub fn peer_disconnected(&self, peer: NodeId, why: &str) {
+        let out = self.out(peer);
+        out.connected.store(false, Ordering::Release);
+        let taken = out.reset();
+        let waits: Vec<ForwardWait> = {
+            let mut forwards = self.forwards.lock();
+            let ids: Vec<u64> = forwards
+                .iter()
+                .filter(|(_, w)| w.peer == peer)
+                .map(|(&id, _)| id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| forwards.remove(&id))
+                .collect()
+        };
+        for wait in waits {
+            let sent = wait.frame <= taken;
+            let text = format!("forwarding to node {peer}: {why}");
+            wait.fail(if sent {
+                WireDecision::Unavailable {
+                    shard: u32::MAX,
+                    why: ShardRefusal::Other(text),
+                }
+            } else {
+                WireDecision::Retry {
+                    shard: u32::MAX,
+                    why: ShardRefusal::Other(text),
+                }
+            });
+        }
+        let mut ended = Vec::new();
+        self.in_flight.lock().disconnected(peer, &mut ended);
+        self.release(ended);
+    }
+
+    /// Queues decided states for the next round and wakes the replicator.
+    pub fn push_states<'a>(&self, states: impl IntoIterator<Item = (&'a [u8], DecidedState)>) {
+        let now = Instant::now();
+        let wake = {
+            let mut round = self.round.lock();
+            for (key, s) in states {
+                round.push(s.shard, s.term, key, &s.state, s.waiter, now);
+            }
+            !round.is_empty()
+        };
+        if wake {
+            self.replicate.notify_one();
+        }
+    }
+
+    /// Sends a batch of ops to `peer`, the leader of their shards; their
+    /// answers fill `slots` of `board`. Returns false (nothing sent) when
+    /// the peer is unreachable or its outbox full.
+    pub fn send_forward(
+        &self,
+        peer: NodeId,
+        board: &Arc<SlotBoard>,
+        slots: SmallVec<[u32; 16]>,
+        ops: &[u8],
+    ) -> bool {
+        let out = self.out(peer);
+        if !out.connected() {
+            out.wake.notify_one(); // let the link try to connect
+            return false;
+        }
+        let batch = self.next_batch.fetch_add(1, Ordering::Relaxed);
+        let count = slots.len() as u32;
+        // Register before the frame can leave, so that no answer is missed.
+        let mut forwards = self.forwards.lock();
+        let frame = out.append(|body| {
+            let at = begin_counted(body, tag::FORWARD, &[batch]);
+            body.extend_from_slice(ops);
+            end_counted(body, at, count);
+        });
+        let Some(frame) = frame else {
+            return false;
+        };
+        forwards.insert(
+            batch,
+            ForwardWait {
+                peer,
+                board: Arc::clone(board),
+                slots,
+                answered: 0,
+                frame,
+                sent_at: Instant::now(),
+            },
+        );
+        drop(forwards);
+        DataStats::add(&self.stats.forward_batches, 1);
+        DataStats::add(&self.stats.forwarded_ops, u64::from(count));
+        out.wake.notify_one();
+        true
+    }
+
+    /// Answers forwarded waits older than the forward timeout (their
+    /// boards gave up already); keeps the table bounded.
+    pub fn expire_forwards(&self, now: Instant) {
+        let timeout = Duration::from_millis(self.settings.forward_timeout_ms);
+        let mut forwards = self.forwards.lock();
+        forwards.retain(|_, wait| now.saturating_duration_since(wait.sent_at) < timeout * 2);
+    }
+
+    /// Handles one data frame from `from`, inline.
+    pub fn on_data_frame(&self, from: NodeId, body: &[u8]) -> Result<(), FrameError> {
+        let mut reader = Reader::new(body);
+        let mut answers: Vec<u8> = Vec::new();
+        let mut answer_count = 0u32;
+        let mut answers_at = None;
+        let mut ended = Vec::new();
+        let mut decided: Vec<(usize, usize, DecidedState)> = Vec::new();
+        let mut keys: Vec<u8> = Vec::new();
+        let now_ms = self.clock.now_ms();
+        let result = (|| -> Result<(), FrameError> {
+            while !reader.is_empty() {
+                match reader.u8()? {
+                    tag::FORWARD => {
+                        let batch = reader.varint()?;
+                        let count = reader.count(4)?;
+                        DataStats::add(&self.stats.forwards_decided, u64::from(count));
+                        for index in 0..count {
+                            let op = reader.op()?;
+                            let answer = self.decide_forwarded(
+                                from,
+                                batch,
+                                index,
+                                &op,
+                                now_ms,
+                                &mut keys,
+                                &mut decided,
+                            );
+                            if let Some(answer) = answer {
+                                let at = *answers_at.get_or_insert_with(|| {
+                                    begin_counted(&mut answers, tag::ANSWERS, &[])
+                                });
+                                let _ = at;
+                                put_varint(&mut answers, batch);
+                                put_varint(&mut answers, u64::from(index));
+                                put_decision(&mut answers, &answer);
+                                answer_count += 1;
+                            }
+                        }
+                    }
+                    tag::ANSWERS => {
+                        let count = reader.count(3)?;
+                        let mut forwards = self.forwards.lock();
+                        for _ in 0..count {
+                            let batch = reader.varint()?;
+                            let index = reader.u32()?;
+                            let decision = reader.decision()?;
+                            if let Some(wait) = forwards.get_mut(&batch) {
+                                if wait.answer(index, decision) {
+                                    forwards.remove(&batch);
+                                }
+                            }
+                        }
+                    }
+                    tag::ROUND => self.apply_round(from, &mut reader)?,
+                    tag::ACK => {
+                        let ack = Ack::read(&mut reader)?;
+                        self.in_flight
+                            .lock()
+                            .ack(from, ack.upto, &ack.refused, &mut ended);
+                    }
+                    tag::BEAT => {}
+                    other => return Err(FrameError::UnknownTag(other)),
+                }
+            }
+            Ok(())
+        })();
+        if !decided.is_empty() {
+            self.push_states(
+                decided
+                    .into_iter()
+                    .map(|(at, len, state)| (&keys[at..at + len], state)),
+            );
+        }
+        if let Some(at) = answers_at {
+            end_counted(&mut answers, at, answer_count);
+            let out = self.out(from);
+            if out
+                .append(|body| body.extend_from_slice(&answers))
+                .is_some()
+            {
+                out.wake.notify_one();
+            }
+        }
+        self.release(ended);
+        result
+    }
+
+    /// Decides a hit `from` forwarded, as the shard's leader: the answer
+    /// now, or `None` when it waits for its state's commit.
+    #[allow(clippy::too_many_arguments)]
+    fn decide_forwarded(
+        &self,
+        from: NodeId,
+        batch: u64,
+        index: u32,
+        op: &OpView<'_>,
+        now_ms: u64,
+        keys: &mut Vec<u8>,
+        decided: &mut Vec<(usize, usize, DecidedState)>,
+    ) -> Option<WireDecision> {
+        let shard = self.placement.shard_of(op.key);
+        let Some(replica) = self.replica(shard) else {
+            return Some(WireDecision::Retry {
+                shard,
+                why: ShardRefusal::NotReplicated(self.me),
+            });
+        };
+        match replica.decide(&self.store, op, now_ms) {
+            LocalDecision::Decided {
+                decision,
+                changed,
+                term,
+            } => {
+                let Some(state) = changed else {
+                    return Some(decision.into());
+                };
+                let waiter = self.strict().then_some(Waiter::Remote {
+                    peer: from,
+                    batch,
+                    index,
+                    decision,
+                });
+                let answer_now = waiter.is_none();
+                let at = keys.len();
+                keys.extend_from_slice(op.key);
+                decided.push((
+                    at,
+                    op.key.len(),
+                    DecidedState {
+                        shard,
+                        term,
+                        state,
+                        waiter,
+                    },
+                ));
+                answer_now.then(|| decision.into())
+            }
+            LocalDecision::Full(StoreFull { live_keys_max }) => Some(WireDecision::Full {
+                live_keys_max: live_keys_max as u64,
+            }),
+            LocalDecision::Refused(why) => Some(WireDecision::Retry { shard, why }),
+            LocalDecision::Invalid(why) => Some(WireDecision::Unavailable { shard, why }),
+        }
+    }
+
+    /// Applies one round section from `from` and records its ack.
+    fn apply_round(&self, from: NodeId, reader: &mut Reader<'_>) -> Result<(), FrameError> {
+        let header = RoundHeader::read(reader)?;
+        let mut states: SmallVec<[(&[u8], CounterState); 32]> = SmallVec::new();
+        for _ in 0..header.count {
+            let key = reader.bytes()?;
+            states.push((key, reader.state()?));
+        }
+        let refused = match self.replica(header.shard) {
+            None => Some(ApplyRefusal::NotReplica),
+            Some(replica) => {
+                match replica.apply(
+                    &self.store,
+                    header.term,
+                    header.stamped_ms,
+                    states.drain(..),
+                ) {
+                    Ok(dropped) => {
+                        DataStats::add(&self.stats.states_applied, u64::from(header.count));
+                        if dropped > 0 {
+                            self.note_dropped_at_cap(header.shard, dropped);
+                        }
+                        None
+                    }
+                    Err(refusal) => Some(refusal),
+                }
+            }
+        };
+        if refused.is_some() {
+            DataStats::add(&self.stats.states_refused, u64::from(header.count));
+        }
+        let out = self.out(from);
+        out.record_ack(header.round, refused.map(|r| (header.shard, r)));
+        out.wake.notify_one();
+        Ok(())
+    }
+
+    fn note_dropped_at_cap(&self, shard: u32, dropped: usize) {
+        let before = self
+            .stats
+            .dropped_at_cap
+            .fetch_add(dropped as u64, Ordering::Relaxed);
+        if before / 10_000 != (before + dropped as u64) / 10_000 || before == 0 {
+            tracing::warn!(
+                shard,
+                dropped = before + dropped as u64,
+                "live-key cap reached: replicated counters dropped on this replica"
+            );
+        }
+    }
+
+    /// Answers the waiters of sections that ended; in fast mode a section
+    /// that failed makes its leader confirm its leadership again.
+    pub fn release(&self, ended: Vec<Ended>) {
+        if ended.is_empty() {
+            return;
+        }
+        let mut remote: HashMap<NodeId, (Vec<u8>, usize, u32)> = HashMap::new();
+        for section in ended {
+            match &section.end {
+                SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
+                end => {
+                    DataStats::add(&self.stats.sections_failed, 1);
+                    if let Some(replica) = self.replica(section.shard) {
+                        if let SectionEnd::Superseded(_) = end {
+                            replica.unready();
+                            replica.kick.notify_one();
+                        } else if !self.strict() {
+                            replica.replication_failed.store(true, Ordering::Release);
+                            replica.unready();
+                            replica.kick.notify_one();
+                        }
+                    }
+                    tracing::debug!(
+                        shard = section.shard,
+                        term = section.term,
+                        ?end,
+                        "round section failed"
+                    );
+                }
+            }
+            for waiter in section.waiters {
+                match waiter {
+                    Waiter::Local {
+                        board,
+                        slot,
+                        decision,
+                    } => board.fill(slot, section.end.answer(section.shard, decision)),
+                    Waiter::Remote {
+                        peer,
+                        batch,
+                        index,
+                        decision,
+                    } => {
+                        let (bytes, at, count) = remote.entry(peer).or_insert_with(|| {
+                            let mut bytes = Vec::new();
+                            let at = begin_counted(&mut bytes, tag::ANSWERS, &[]);
+                            (bytes, at, 0)
+                        });
+                        put_varint(bytes, batch);
+                        put_varint(bytes, u64::from(index));
+                        put_decision(bytes, &section.end.answer(section.shard, decision));
+                        *count += 1;
+                        let _ = at;
+                    }
+                }
+            }
+        }
+        for (peer, (mut bytes, at, count)) in remote {
+            end_counted(&mut bytes, at, count);
+            let out = self.out(peer);
+            if out.append(|body| body.extend_from_slice(&bytes)).is_some() {
+                out.wake.notify_one();
+            }
+        }
+    }
+
+    /// Does `shard` have states waiting to be sent or committed?
+    pub fn replicating(&self, shard: u32) -> bool {
+        self.round.lock().holds(shard) || self.in_flight.lock().holds(shard)
+    }
+
+    /// Closes the open round and sends it: one section per shard to each
+    /// of the shard's other replicas.
+    fn send_round(&self) {
+        let mut sections = self.round.lock().take();
+        if sections.is_empty() {
+            return;
+        }
+        let stamped_ms = self.clock.now_ms();
+        let mut states = 0u64;
+        let mut records = Vec::with_capacity(sections.len());
+        for section in &mut sections {
+            states += u64::from(section.count);
+            let config = match self.replica(section.shard) {
+                Some(replica) => replica.config(),
+                None => Arc::default(),
+            };
+            let sent_to: SmallVec<[NodeId; 4]> = config
+                .targets
+                .iter()
+                .copied()
+                .filter(|&peer| self.existing_out(peer).is_some_and(|o| o.connected()))
+                .collect();
+            records.push(SentSection {
+                shard: section.shard,
+                term: section.term,
+                config,
+                sent_to,
+                waiters: std::mem::take(&mut section.waiters),
+            });
+        }
+        let mut ended = Vec::new();
+        let mut touched: SmallVec<[Arc<PeerOut>; 4]> = SmallVec::new();
+        {
+            // Record before appending: no ack can precede its round.
+            let mut flight = self.in_flight.lock();
+            let round = flight.next_round();
+            let sends: Vec<(u32, u64, u32, SmallVec<[NodeId; 4]>)> = records
+                .iter()
+                .zip(&sections)
+                .map(|(r, s)| (r.shard, r.term, s.count, r.sent_to.clone()))
+                .collect();
+            DataStats::add(&self.stats.round_sections, records.len() as u64);
+            flight.record(Instant::now(), records, &mut ended);
+            drop(flight);
+            for ((shard, term, count, sent_to), section) in sends.into_iter().zip(&sections) {
+                for peer in sent_to {
+                    let out = self.out(peer);
+                    let appended = out.append(|body| {
+                        body.push(tag::ROUND);
+                        put_varint(body, round);
+                        put_varint(body, stamped_ms);
+                        put_varint(body, u64::from(shard));
+                        put_varint(body, term);
+                        put_varint(body, u64::from(count));
+                        body.extend_from_slice(&section.bytes);
+                    });
+                    if appended.is_some() && !touched.iter().any(|o| o.peer == peer) {
+                        touched.push(out);
+                    }
+                }
+            }
+        }
+        self.round.lock().recycle(sections);
+        DataStats::add(&self.stats.rounds, 1);
+        DataStats::add(&self.stats.states_replicated, states);
+        for out in touched {
+            out.wake.notify_one();
+        }
+        self.release(ended);
+    }
+
+    /// The replicator: closes and sends rounds (at once in strict mode;
+    /// in fast mode once the open round is `replication_interval_ms` old or
+    /// full), and times out sections not committed in time.
+    pub async fn run_replicator(self: Arc<Self>) {
+        let commit_timeout = Duration::from_millis(self.settings.commit_timeout_ms.max(1));
+        let interval = Duration::from_millis(self.settings.replication_interval_ms.max(1));
+        let mut last_forward_sweep = Instant::now();
+        loop {
+            let now = Instant::now();
+            let mut wake_at: Option<Instant> = None;
+            let ready = {
+                let round = self.round.lock();
+                match round.opened_at {
+                    None => false,
+                    Some(_) if self.strict() => true,
+                    Some(_) if round.states() >= self.settings.batch_ops_max => true,
+                    Some(opened) => {
+                        let due = opened + interval;
+                        if due <= now {
+                            true
+                        } else {
+                            wake_at = Some(due);
+                            false
+                        }
+                    }
+                }
+            };
+            if ready {
+                self.send_round();
+            }
+            let mut ended = Vec::new();
+            let oldest = {
+                let mut flight = self.in_flight.lock();
+                flight.expire(now, commit_timeout, &mut ended);
+                flight.oldest()
+            };
+            self.release(ended);
+            if let Some(oldest) = oldest {
+                let due = oldest + commit_timeout;
+                wake_at = Some(wake_at.map_or(due, |w| w.min(due)));
+            }
+            if now.saturating_duration_since(last_forward_sweep) > Duration::from_secs(1) {
+                self.expire_forwards(now);
+                last_forward_sweep = now;
+            }
+            if ready {
+                // More may have arrived while sending: look again first.
+                tokio::task::yield_now().await;
+                continue;
+            }
+            match wake_at {
+                Some(at) => {
+                    let _ = tokio::time::timeout_at(at.into(), self.replicate.notified()).await;
+                }
+                None => self.replicate.notified().await,
+            }
+        }
+    }
+
+    /// A new leader of `term` for `shard` collects this replica's counters:
+    /// the replica promises `term`, then answers what it holds.
+    pub fn collect(&self, shard: u32, term: u64) -> Result<CounterList, ApplyRefusal> {
+        let replica = self.replica(shard).ok_or(ApplyRefusal::NotReplica)?;
+        replica.promise(term)?;
+        Ok(self.counters_of(shard))
+    }
+
+    /// The live counters of `shard` held here.
+    pub fn counters_of(&self, shard: u32) -> CounterList {
+        let mut counters = Vec::new();
+        let now_ms = self.clock.now_ms();
+        self.store.for_each_live(now_ms, |key, state| {
+            if self.placement.shard_of(key) == shard {
+                counters.push((key.to_vec(), state));
+            }
+        });
+        counters
+    }
+
+    /// Merges counters a leader of `term` sent to catch this replica up.
+    pub fn apply_sync(
+        &self,
+        shard: u32,
+        term: u64,
+        stamped_ms: u64,
+        counters: &CounterList,
+    ) -> Result<(), ApplyRefusal> {
+        let replica = self.replica(shard).ok_or(ApplyRefusal::NotReplica)?;
+        let dropped = replica.apply(
+            &self.store,
+            term,
+            stamped_ms,
+            counters.iter().map(|(key, state)| (key.as_slice(), *state)),
+        )?;
+        if dropped > 0 {
+            self.note_dropped_at_cap(shard, dropped);
+        }
+        DataStats::add(&self.stats.states_applied, counters.len() as u64);
+        Ok(())
+    }
+
+    /// Appends a forwarded op's wire form (for batches being built).
+    pub fn encode_op(out: &mut Vec<u8>, op: &OpView<'_>) {
+        put_op(out, op);
+    }
+
+    /// Milliseconds since this data plane started (for liveness math).
+    pub fn uptime_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}

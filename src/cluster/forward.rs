@@ -1,0 +1,503 @@
+//! A connection's read batch in cluster mode ([`ClusterBatch`], the
+//! [`OpBatch`] of the cluster backend): every op of the batch is routed by
+//! its shard's leader as it is executed: decided inline on this node's
+//! store when this node leads the shard, gathered into one message per
+//! peer otherwise. One [`SlotBoard`] per batch collects the answers that
+//! wait (forwarded hits, strict-mode commits) and wakes the connection once
+//! when the last one is in: no task, channel or allocation per hit.
+//!
+//! Hits that were not decided (no leader known, the leader handing over,
+//! a leader fenced by a newer one, a peer unreachable before sending) are
+//! routed again every [`RETRY_PAUSE_MS`] until the forward timeout, so a
+//! failover or a move shows as latency; hits that may have been counted are
+//! never sent twice.
+
+use super::data_frames::{put_op, OpView, Reader};
+use super::dataplane::{DataPlane, DecidedState};
+use super::placement::stable_counter_id;
+use super::replica::LocalDecision;
+use super::rounds::Waiter;
+use super::wire::{ShardRefusal, WireDecision};
+use super::NodeId;
+use crate::limiter::{CounterState, Decision};
+use crate::store::{
+    BackendError, BatchDecided, CounterOp, Decisions, OpBatch, SlotAnswers, StoreFull,
+};
+use futures_util::future::BoxFuture;
+use futures_util::task::AtomicWaker;
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+/// Pause before a hit that was not decided is routed again.
+pub const RETRY_PAUSE_MS: u64 = 25;
+
+/// Where one slot's answer stands.
+#[derive(Debug, Clone)]
+enum SlotAnswer {
+    Pending,
+    Done(Result<Decision, BackendError>),
+    /// Not decided: to be routed again.
+    Retry(ShardRefusal),
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    answer: SlotAnswer,
+    shard: u32,
+    /// Where the slot's op is encoded in the board's `ops` (deferred ops).
+    op_at: u32,
+}
+
+struct BoardInner {
+    slots: Vec<Slot>,
+    ops: Vec<u8>,
+}
+
+/// The answers of one read batch's deferred ops, filled by whoever has them
+/// (the replicator on commit, the frame reader on a peer's answer); the
+/// last one wakes the connection.
+pub struct SlotBoard {
+    inner: Mutex<BoardInner>,
+    /// Slots still [`SlotAnswer::Pending`].
+    pending: AtomicU32,
+    waker: AtomicWaker,
+}
+
+fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
+    match decision {
+        WireDecision::Decided {
+            allowed,
+            credit,
+            next_reset_seconds,
+        } => SlotAnswer::Done(Ok(Decision {
+            allowed,
+            credit,
+            next_reset_seconds,
+        })),
+        WireDecision::Unavailable { why, .. } => SlotAnswer::Done(Err(
+            BackendError::ShardUnavailable(WireDecision::describe(shard, &why)),
+        )),
+        WireDecision::Full { live_keys_max } => {
+            SlotAnswer::Done(Err(BackendError::Full(StoreFull {
+                live_keys_max: usize::try_from(live_keys_max).unwrap_or(usize::MAX),
+            })))
+        }
+        WireDecision::Retry { why, .. } => SlotAnswer::Retry(why),
+    }
+}
+
+impl SlotBoard {
+    fn new(slots: Vec<Slot>, ops: Vec<u8>) -> SlotBoard {
+        let pending = slots
+            .iter()
+            .filter(|s| matches!(s.answer, SlotAnswer::Pending))
+            .count() as u32;
+        SlotBoard {
+            inner: Mutex::new(BoardInner { slots, ops }),
+            pending: AtomicU32::new(pending),
+            waker: AtomicWaker::new(),
+        }
+    }
+
+    /// Answers a pending slot (later answers for it are ignored).
+    pub fn fill(&self, slot: u32, decision: WireDecision) {
+        let mut inner = self.inner.lock();
+        let Some(entry) = inner.slots.get_mut(slot as usize) else {
+            return;
+        };
+        if !matches!(entry.answer, SlotAnswer::Pending) {
+            return;
+        }
+        entry.answer = result_of(entry.shard, decision);
+        drop(inner);
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.waker.wake();
+        }
+    }
+
+    fn set(&self, slot: u32, answer: SlotAnswer) {
+        let mut inner = self.inner.lock();
+        if let Some(entry) = inner.slots.get_mut(slot as usize) {
+            entry.answer = answer;
+        }
+    }
+
+    /// Resolves once no slot is pending.
+    fn settled(&self) -> Settled<'_> {
+        Settled { board: self }
+    }
+
+    /// The slots to route again, with their shard and op bytes.
+    fn retries(&self) -> Vec<(u32, u32, Vec<u8>)> {
+        let inner = self.inner.lock();
+        let mut retries = Vec::new();
+        for (index, slot) in inner.slots.iter().enumerate() {
+            if let SlotAnswer::Retry(_) = slot.answer {
+                let rest = inner.ops.get(slot.op_at as usize..).unwrap_or_default();
+                let mut reader = Reader::new(rest);
+                if reader.op().is_ok() {
+                    let used = rest.len() - reader.remaining();
+                    retries.push((index as u32, slot.shard, rest[..used].to_vec()));
+                }
+            }
+        }
+        retries
+    }
+
+    /// Every slot's final answer; pending ones had no answer in time.
+    fn finish(&self, timeout_ms: u64) -> SlotAnswers {
+        let inner = self.inner.lock();
+        inner
+            .slots
+            .iter()
+            .map(|slot| match &slot.answer {
+                SlotAnswer::Done(result) => result.clone(),
+                SlotAnswer::Pending => Err(BackendError::ShardUnavailable(WireDecision::describe(
+                    slot.shard,
+                    &ShardRefusal::Other(format!("no answer within {timeout_ms} ms")),
+                ))),
+                SlotAnswer::Retry(why) => Err(BackendError::ShardUnavailable(
+                    WireDecision::describe(slot.shard, why),
+                )),
+            })
+            .collect()
+    }
+}
+
+struct Settled<'a> {
+    board: &'a SlotBoard,
+}
+
+impl Future for Settled<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.board.pending.load(Ordering::Acquire) == 0 {
+            return Poll::Ready(());
+        }
+        self.board.waker.register(cx.waker());
+        if self.board.pending.load(Ordering::Acquire) == 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+/// A batch forwarded to a peer, waiting for its answers.
+pub struct ForwardWait {
+    pub peer: NodeId,
+    pub board: Arc<SlotBoard>,
+    /// The board slot of each op of the batch, in order.
+    pub slots: SmallVec<[u32; 16]>,
+    pub answered: u32,
+    /// The outbox frame the batch went in (see `PeerOut`).
+    pub frame: u64,
+    pub sent_at: Instant,
+}
+
+impl ForwardWait {
+    /// Answers op `index`; says whether every op is answered now.
+    pub fn answer(&mut self, index: u32, decision: WireDecision) -> bool {
+        if let Some(&slot) = self.slots.get(index as usize) {
+            self.board.fill(slot, decision);
+            self.answered += 1;
+        }
+        self.answered as usize >= self.slots.len()
+    }
+
+    /// Answers every op still waiting.
+    pub fn fail(self, decision: WireDecision) {
+        for &slot in &self.slots {
+            self.board.fill(slot, decision.clone());
+        }
+    }
+}
+
+/// A state decided here while building the batch.
+struct LocalState {
+    key_at: u32,
+    key_len: u32,
+    shard: u32,
+    term: u64,
+    state: CounterState,
+    /// Strict mode: the slot that waits for the commit, and its answer.
+    wait: Option<(u32, Decision)>,
+}
+
+struct PeerForward {
+    peer: NodeId,
+    ops: Vec<u8>,
+    slots: SmallVec<[u32; 16]>,
+}
+
+/// The cluster backend's batch for one read (see the module doc).
+pub struct ClusterBatch {
+    dp: Arc<DataPlane>,
+    slots: Vec<Slot>,
+    ops: Vec<u8>,
+    keys: Vec<u8>,
+    states: Vec<LocalState>,
+    forwards: SmallVec<[PeerForward; 2]>,
+    key_buf: Vec<u8>,
+    deadline: Option<Instant>,
+}
+
+impl ClusterBatch {
+    pub fn new(dp: Arc<DataPlane>) -> ClusterBatch {
+        ClusterBatch {
+            dp,
+            slots: Vec::new(),
+            ops: Vec::new(),
+            keys: Vec::new(),
+            states: Vec::new(),
+            forwards: SmallVec::new(),
+            key_buf: Vec::with_capacity(64),
+            deadline: None,
+        }
+    }
+
+    /// Routes one op (see the module doc); returns its slot's answer.
+    fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> SlotAnswer {
+        let dp = Arc::clone(&self.dp);
+        match dp.leaders.leader(shard) {
+            None => SlotAnswer::Retry(ShardRefusal::NoLeader),
+            Some(leader) if leader == dp.me => {
+                let Some(replica) = dp.replica(shard) else {
+                    return SlotAnswer::Retry(ShardRefusal::NotReplicated(dp.me));
+                };
+                match replica.decide(&dp.store, op, now_ms) {
+                    LocalDecision::Decided {
+                        decision,
+                        changed: None,
+                        ..
+                    } => SlotAnswer::Done(Ok(decision)),
+                    LocalDecision::Decided {
+                        decision,
+                        changed: Some(state),
+                        term,
+                    } => {
+                        let strict = dp.strict();
+                        let key_at = self.keys.len() as u32;
+                        self.keys.extend_from_slice(op.key);
+                        self.states.push(LocalState {
+                            key_at,
+                            key_len: op.key.len() as u32,
+                            shard,
+                            term,
+                            state,
+                            wait: strict.then_some((slot, decision)),
+                        });
+                        if strict {
+                            SlotAnswer::Pending
+                        } else {
+                            SlotAnswer::Done(Ok(decision))
+                        }
+                    }
+                    LocalDecision::Full(full) => SlotAnswer::Done(Err(BackendError::Full(full))),
+                    LocalDecision::Refused(why) => SlotAnswer::Retry(why),
+                    LocalDecision::Invalid(why) => SlotAnswer::Done(Err(
+                        BackendError::ShardUnavailable(WireDecision::describe(shard, &why)),
+                    )),
+                }
+            }
+            Some(peer) => {
+                let forward = match self.forwards.iter_mut().position(|f| f.peer == peer) {
+                    Some(at) => &mut self.forwards[at],
+                    None => {
+                        self.forwards.push(PeerForward {
+                            peer,
+                            ops: Vec::new(),
+                            slots: SmallVec::new(),
+                        });
+                        let last = self.forwards.len() - 1;
+                        &mut self.forwards[last]
+                    }
+                };
+                put_op(&mut forward.ops, op);
+                forward.slots.push(slot);
+                SlotAnswer::Pending
+            }
+        }
+    }
+
+    /// Adds one op as the next slot; returns whether it waits.
+    fn add(&mut self, shard: u32, op: &OpView<'_>, now_ms: u64) -> bool {
+        let slot = self.slots.len() as u32;
+        let answer = self.route(slot, shard, op, now_ms);
+        let waits = !matches!(answer, SlotAnswer::Done(_));
+        let op_at = if waits {
+            let at = self.ops.len() as u32;
+            put_op(&mut self.ops, op);
+            at
+        } else {
+            u32::MAX
+        };
+        self.slots.push(Slot {
+            answer,
+            shard,
+            op_at,
+        });
+        waits
+    }
+
+    fn submit_until(self: Box<Self>, deadline: Instant) -> Option<BoxFuture<'static, SlotAnswers>> {
+        let ClusterBatch {
+            dp,
+            slots,
+            ops,
+            keys,
+            states,
+            forwards,
+            ..
+        } = *self;
+        if slots.is_empty() {
+            if !states.is_empty() {
+                dp.push_states(states.iter().map(|s| {
+                    let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
+                    (key, decided(s, None))
+                }));
+            }
+            return None;
+        }
+        let board = Arc::new(SlotBoard::new(slots, ops));
+        if !states.is_empty() {
+            dp.push_states(states.iter().map(|s| {
+                let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
+                (key, decided(s, Some(&board)))
+            }));
+        }
+        for forward in forwards {
+            if !dp.send_forward(forward.peer, &board, forward.slots.clone(), &forward.ops) {
+                let why = ShardRefusal::Other(format!(
+                    "forwarding to node {}: not connected",
+                    forward.peer
+                ));
+                for slot in forward.slots {
+                    board.fill(
+                        slot,
+                        WireDecision::Retry {
+                            shard: 0,
+                            why: why.clone(),
+                        },
+                    );
+                }
+            }
+        }
+        Some(Box::pin(wait_for_answers(dp, board, deadline)))
+    }
+}
+
+fn decided(state: &LocalState, board: Option<&Arc<SlotBoard>>) -> DecidedState {
+    DecidedState {
+        shard: state.shard,
+        term: state.term,
+        state: state.state,
+        waiter: match (state.wait, board) {
+            (Some((slot, decision)), Some(board)) => Some(Waiter::Local {
+                board: Arc::clone(board),
+                slot,
+                decision,
+            }),
+            _ => None,
+        },
+    }
+}
+
+/// Waits for a board's answers, routing hits that were not decided again
+/// until `deadline`.
+async fn wait_for_answers(
+    dp: Arc<DataPlane>,
+    board: Arc<SlotBoard>,
+    deadline: Instant,
+) -> SlotAnswers {
+    let timeout_ms = dp.settings.forward_timeout_ms;
+    loop {
+        let _ = tokio::time::timeout_at(deadline.into(), board.settled()).await;
+        let retries = board.retries();
+        let pause = Duration::from_millis(RETRY_PAUSE_MS);
+        if retries.is_empty() || Instant::now() + pause >= deadline {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        let mut again = Box::new(ClusterBatch::new(Arc::clone(&dp)));
+        let now_ms = dp.clock.now_ms();
+        let mut routed = Vec::with_capacity(retries.len());
+        for (slot, shard, op_bytes) in &retries {
+            let Ok(op) = Reader::new(op_bytes).op() else {
+                continue;
+            };
+            again.add(*shard, &op, now_ms);
+            routed.push(*slot);
+        }
+        let answers = match again.submit_until(deadline) {
+            Some(waiting) => waiting.await,
+            None => Vec::new(),
+        };
+        for (slot, answer) in routed.into_iter().zip(answers) {
+            board.set(slot, SlotAnswer::Done(answer));
+        }
+    }
+    board.finish(timeout_ms)
+}
+
+/// The cluster key of an op: the rule's stable counter id, then the actor.
+fn cluster_key(buf: &mut Vec<u8>, op: &CounterOp<'_>) {
+    let counter_id = stable_counter_id(
+        &op.rule.canonical_operation,
+        op.quota.credit_limit(),
+        op.quota.period_ms(),
+        op.rule.algorithm.as_str(),
+    );
+    buf.clear();
+    buf.extend_from_slice(&counter_id.to_le_bytes());
+    buf.extend_from_slice(op.actor.as_bytes());
+}
+
+impl OpBatch for ClusterBatch {
+    fn decide(&mut self, ops: &[CounterOp<'_>], now_ms: u64) -> BatchDecided {
+        let first = self.slots.len();
+        let mut waits = false;
+        let mut key = std::mem::take(&mut self.key_buf);
+        for op in ops {
+            cluster_key(&mut key, op);
+            let view = OpView {
+                key: &key,
+                algorithm: op.rule.algorithm,
+                credit_limit: op.quota.credit_limit(),
+                reset_seconds: op.quota.period_ms() / 1000,
+                peek: op.peek,
+            };
+            let shard = self.dp.placement.shard_of(&key);
+            waits |= self.add(shard, &view, now_ms);
+        }
+        self.key_buf = key;
+        if waits {
+            return BatchDecided::Slots {
+                first: first as u32,
+            };
+        }
+        let decisions: Decisions = self
+            .slots
+            .drain(first..)
+            .map(|slot| match slot.answer {
+                SlotAnswer::Done(result) => result,
+                _ => Err(BackendError::ShardUnavailable("not decided".into())),
+            })
+            .collect();
+        BatchDecided::Ready(decisions)
+    }
+
+    fn submit(self: Box<Self>) -> Option<BoxFuture<'static, SlotAnswers>> {
+        let deadline = self.deadline.unwrap_or_else(|| {
+            Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms)
+        });
+        self.submit_until(deadline)
+    }
+}

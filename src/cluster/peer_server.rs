@@ -1,0 +1,219 @@
+//! The peer port: every connection proves the cluster secret (`auth.rs`),
+//! then says hello (a node whose rules, layout or consistency differ is
+//! refused), then streams frames. Data frames are handled inline, in order,
+//! on the connection's task (`dataplane.rs`); control requests run as tasks
+//! of their own (Raft RPCs may wait) and are answered on the same
+//! connection by one writer. Anything heard from a peer counts as a sign of
+//! life for the failure detector.
+
+use super::auth::{self, PeerSecrets};
+use super::codec;
+use super::data_frames::DATA_FRAME_ID;
+use super::node::ClusterNode;
+use super::wire::{Hello, PeerRequest, PeerResponse};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+/// Serves the peer port until the process ends.
+pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>, secrets: Arc<PeerSecrets>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, remote)) => {
+                let secrets = Arc::clone(&secrets);
+                tokio::spawn(serve_peer(stream, remote, Arc::clone(&node), secrets));
+            }
+            Err(error) => {
+                tracing::warn!(%error, "peer accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Checks a peer's hello against ours; `Err` says why it is refused.
+fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), String> {
+    if theirs.rules_fingerprint != ours.rules_fingerprint {
+        return Err(format!(
+            "rules differ: node {} has rules fingerprint {:016x}, node {} has {:016x}; the rule file must be identical on every node",
+            theirs.node_id, theirs.rules_fingerprint, ours.node_id, ours.rules_fingerprint
+        ));
+    }
+    if theirs.layout_fingerprint != ours.layout_fingerprint {
+        return Err(format!(
+            "cluster layouts differ between node {} and node {}; the [cluster] section (shards, replicas) must be identical on every node",
+            theirs.node_id, ours.node_id
+        ));
+    }
+    if theirs.consistency != ours.consistency {
+        return Err(format!(
+            "consistency differs: node {} runs {}, node {} runs {}",
+            theirs.node_id, theirs.consistency, ours.node_id, ours.consistency
+        ));
+    }
+    if theirs.node_id == ours.node_id {
+        return Err(format!("two nodes claim id {}", ours.node_id));
+    }
+    Ok(())
+}
+
+async fn serve_peer(
+    mut stream: TcpStream,
+    remote: std::net::SocketAddr,
+    node: Arc<ClusterNode>,
+    secrets: Arc<PeerSecrets>,
+) {
+    let _ = stream.set_nodelay(true);
+    if !auth::accept_peer(&mut stream, Some(remote), &secrets).await {
+        return;
+    }
+    let (read_half, mut write_half) = stream.into_split();
+    let mut read_half = BufReader::with_capacity(64 * 1024, read_half);
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    let Ok((id, first)) = codec::read_frame::<PeerRequest>(&mut read_half, &mut buf).await else {
+        return;
+    };
+    let peer = match first {
+        PeerRequest::Admin(request) => {
+            let outcome = node.admin(request).await;
+            match &outcome {
+                Ok(done) => tracing::info!(node = node.id, "{done}"),
+                Err(why) => tracing::warn!(node = node.id, "refused an operator request: {why}"),
+            }
+            if codec::encode_frame(&mut out, id, &PeerResponse::Admin(outcome)).is_ok() {
+                let _ = write_half.write_all(&out).await;
+            }
+            return;
+        }
+        PeerRequest::Hello(hello) => match check_hello(&node.hello, &hello) {
+            Ok(()) => {
+                if codec::encode_frame(&mut out, id, &PeerResponse::Hello(node.report())).is_err()
+                    || write_half.write_all(&out).await.is_err()
+                {
+                    return;
+                }
+                hello.node_id
+            }
+            Err(why) => {
+                tracing::error!("refusing a peer connection: {why}");
+                if codec::encode_frame(&mut out, id, &PeerResponse::Refused(why)).is_ok() {
+                    let _ = write_half.write_all(&out).await;
+                }
+                return;
+            }
+        },
+        _ => {
+            let refusal = PeerResponse::Refused("expected a hello first".into());
+            if codec::encode_frame(&mut out, id, &refusal).is_ok() {
+                let _ = write_half.write_all(&out).await;
+            }
+            return;
+        }
+    };
+    let from = node.dp.out(peer);
+    from.heard();
+    let (answers, mut to_write) = mpsc::unbounded_channel::<(u64, PeerResponse)>();
+    let writer = tokio::spawn(async move {
+        let mut out = Vec::new();
+        while let Some((id, response)) = to_write.recv().await {
+            out.clear();
+            let mut next = Some((id, response));
+            while let Some((id, response)) = next.take() {
+                if let Err(error) = codec::encode_frame(&mut out, id, &response) {
+                    tracing::warn!(%error, "cannot encode a peer answer");
+                }
+                if out.len() < 1024 * 1024 {
+                    next = to_write.try_recv().ok();
+                }
+            }
+            if write_half.write_all(&out).await.is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        let id = match codec::read_raw_frame(&mut read_half, &mut buf).await {
+            Ok(id) => id,
+            Err(error) => {
+                tracing::debug!(peer, %error, "peer connection ended");
+                break;
+            }
+        };
+        from.heard();
+        if id == DATA_FRAME_ID {
+            if let Err(error) = node.dp.on_data_frame(peer, &buf) {
+                tracing::warn!(peer, %error, "dropping a peer connection: bad data frame");
+                break;
+            }
+            continue;
+        }
+        let request = match codec::decode::<PeerRequest>(&buf) {
+            Ok(request) => request,
+            Err(error) => {
+                tracing::warn!(peer, %error, "dropping a peer connection: bad request");
+                break;
+            }
+        };
+        let node = Arc::clone(&node);
+        let answers = answers.clone();
+        tokio::spawn(async move {
+            let response = handle(&node, request).await;
+            let _ = answers.send((id, response));
+        });
+    }
+    drop(answers);
+    writer.abort();
+}
+
+async fn handle(node: &Arc<ClusterNode>, request: PeerRequest) -> PeerResponse {
+    let replica = |shard: u32| {
+        node.replica(shard)
+            .ok_or_else(|| format!("shard {shard} is not replicated on node {}", node.id))
+    };
+    match request {
+        PeerRequest::Hello(_) => PeerResponse::Refused("hello sent twice".into()),
+        PeerRequest::Vote { shard, rpc } => match replica(shard) {
+            Err(why) => PeerResponse::Refused(why),
+            Ok(replica) => match replica.may_vote(&rpc) {
+                Err(why) => PeerResponse::Refused(why),
+                Ok(()) => PeerResponse::Vote(replica.raft.vote(rpc).await),
+            },
+        },
+        PeerRequest::Append { shard, rpc } => match replica(shard) {
+            Err(why) => PeerResponse::Refused(why),
+            Ok(replica) => PeerResponse::Append(replica.raft.append_entries(rpc).await),
+        },
+        PeerRequest::Snapshot { shard, rpc } => match replica(shard) {
+            Err(why) => PeerResponse::Refused(why),
+            Ok(replica) => PeerResponse::Snapshot(replica.raft.install_snapshot(rpc).await),
+        },
+        PeerRequest::Collect { shard, term } => {
+            PeerResponse::Collected(node.dp.collect(shard, term))
+        }
+        PeerRequest::Sync {
+            shard,
+            term,
+            stamped_ms,
+            counters,
+        } => PeerResponse::Synced(node.dp.apply_sync(shard, term, stamped_ms, &counters)),
+        PeerRequest::Status => PeerResponse::Status(node.report()),
+        PeerRequest::Members(members) => {
+            node.adopt(&members);
+            PeerResponse::Members((*node.members()).clone())
+        }
+        PeerRequest::Elect { shard } => match replica(shard) {
+            Err(why) => PeerResponse::Refused(why),
+            Ok(replica) if replica.recovering() => {
+                PeerResponse::Refused(format!("shard {shard}: this replica is recovering"))
+            }
+            Ok(replica) => match replica.raft.trigger().elect().await {
+                Ok(()) => PeerResponse::Electing,
+                Err(error) => PeerResponse::Refused(error.to_string()),
+            },
+        },
+        PeerRequest::Admin(request) => PeerResponse::Admin(node.admin(request).await),
+    }
+}
