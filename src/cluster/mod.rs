@@ -9,8 +9,8 @@
 //!   [`members`] (the member list at run time), [`placement`] (key → shard →
 //!   replicas);
 //! - the data path: `replica` (a shard's fence and commit rule), `rounds`
-//!   (replication rounds and their commits), `dataplane` (outboxes, inbound
-//!   frames, the replicator), `forward` (a connection's read batch: local
+//!   (replication rounds and their commits), `outbox` (what goes to a peer),
+//!   `dataplane` (inbound frames, the replicator), `forward` (a connection's read batch: local
 //!   decisions and forwarding), `backend` (the `Backend` and `TOPOLOGY`);
 //! - Raft for leadership and membership: [`storage`] (the groups' logs),
 //!   `leadership` (preparing leaders, elections, handovers);
@@ -39,6 +39,7 @@ mod links;
 pub mod members;
 mod moves;
 mod node;
+mod outbox;
 mod peer_server;
 pub mod placement;
 pub mod plan;
