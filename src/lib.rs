@@ -19,4 +19,5 @@ pub mod observability;
 pub mod protocol;
 pub mod rules;
 pub mod server;
+pub mod stable_hash;
 pub mod store;

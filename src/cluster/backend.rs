@@ -10,11 +10,11 @@
 //! Also answers the `TOPOLOGY` command (see [`super::status`]).
 
 use super::node::ClusterNode;
-use super::placement::{counter_key, stable_counter_id};
 use super::wire::{WireDecision, WireOp};
 use crate::engine::{CommandExtension, Outcome, Reply};
 use crate::limiter::Decision;
 use crate::protocol::{Pairs, Verb};
+use crate::rules::CounterId;
 use crate::store::{Backend, BackendError, CounterOp, Decided, StoreFull};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,16 +49,12 @@ fn finish(decision: Option<WireDecision>) -> Result<Decision, BackendError> {
     to_result(decision.unwrap_or_else(|| WireDecision::Unavailable("not decided".into())))
 }
 
-/// The wire form of an op: self-contained, resolvable on any node.
+/// The wire form of an op: self-contained, resolvable on any node. Its key
+/// is the rule's counter id (computed once, when the rule was validated, the
+/// same on every node) followed by the actor.
 pub fn wire_op(op: &CounterOp<'_>) -> WireOp {
-    let counter_id = stable_counter_id(
-        &op.rule.canonical_operation,
-        op.quota.credit_limit(),
-        op.quota.period_ms(),
-        op.rule.algorithm.as_str(),
-    );
-    let mut key = Vec::with_capacity(8 + op.actor.len());
-    counter_key(&mut key, counter_id, op.actor);
+    let mut key = Vec::with_capacity(CounterId::KEY_BYTES + op.actor.len());
+    op.rule.counter_id.write_key(&mut key, op.actor.as_bytes());
     WireOp {
         key,
         algorithm: op.rule.algorithm,
