@@ -218,7 +218,10 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let engine = Arc::new(engine.with_extension(Arc::new(droplet_lines)));
     // Loads the persisted counters before serving.
     let persistence = persist_config
-        .map(|config| Persistence::start(config, Arc::clone(&store), Arc::clone(&engine)))
+        .map(|config| {
+            let rules: Arc<dyn crate::rules::CurrentRules> = engine.clone();
+            Persistence::start(config, Arc::clone(&store), rules, Arc::clone(&clock))
+        })
         .transpose()?;
     let observability = Observability::start(
         &args.observability,

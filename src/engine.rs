@@ -10,7 +10,7 @@ use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
 use crate::protocol::{encode_err, encode_ok, parse_line, ErrorCode, Pairs, Verb};
-use crate::rules::{MatchPolicy, Quota, RuleSet};
+use crate::rules::{CurrentRules, MatchPolicy, Quota, RuleSet};
 use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
 use arc_swap::ArcSwap;
 use futures_util::future::BoxFuture;
@@ -30,6 +30,12 @@ pub enum UnavailablePolicy {
     Allow,
     /// Fail closed: `OK false 0 -1`.
     Deny,
+}
+
+impl CurrentRules for Engine {
+    fn current(&self) -> Arc<RuleSet> {
+        self.rule_set()
+    }
 }
 
 /// One response line.
@@ -85,7 +91,7 @@ pub trait CommandExtension: Send + Sync + 'static {
 
 /// Rules plus the per-label metric cells of each rule, swapped as one.
 pub struct LoadedRules {
-    pub set: RuleSet,
+    pub set: Arc<RuleSet>,
     label_counters: Vec<Arc<LabelCounters>>,
 }
 
@@ -162,7 +168,7 @@ impl Engine {
             .map(|r| metrics.label_counters(r.label.as_deref().unwrap_or("")))
             .collect();
         LoadedRules {
-            set,
+            set: Arc::new(set),
             label_counters,
         }
     }
@@ -175,6 +181,11 @@ impl Engine {
 
     pub fn rules(&self) -> Arc<LoadedRules> {
         self.rules.load_full()
+    }
+
+    /// The rule set being served, without its metric cells.
+    pub fn rule_set(&self) -> Arc<RuleSet> {
+        Arc::clone(&self.rules.load().set)
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {

@@ -12,12 +12,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tollgate::clock::SystemClock;
-use tollgate::engine::{Engine, UnavailablePolicy};
 use tollgate::limiter::{CounterState, WindowQuota};
-use tollgate::metrics::Metrics;
-use tollgate::rules::RuleSet;
+use tollgate::rules::{CurrentRules, RuleSet};
 use tollgate::store::redis::{PersistConfig, Persistence};
-use tollgate::store::{memory_key, CounterOp, MemoryBackend, MemoryStore, MemoryStoreConfig};
+use tollgate::store::{memory_key, CounterOp, MemoryStore, MemoryStoreConfig};
 
 fn rules_file(limit: u64) -> tempfile::NamedTempFile {
     let mut file = tempfile::Builder::new().suffix(".ini").tempfile().unwrap();
@@ -119,6 +117,15 @@ fn counters_survive_a_crash_once_an_interval_has_passed() {
     server.kill();
 }
 
+/// Rules that never change, for persistence measured on its own.
+struct FixedRules(Arc<RuleSet>);
+
+impl CurrentRules for FixedRules {
+    fn current(&self) -> Arc<RuleSet> {
+        Arc::clone(&self.0)
+    }
+}
+
 /// Measures persistence: the time of one tick writing N counters, and of
 /// loading them at start. `TOLLGATE_PERSIST_COUNTERS` sets N (default
 /// 100 000). Run with
@@ -138,17 +145,8 @@ fn persistence_cost() {
             .unwrap();
     let clock = SystemClock;
     let now_ms = tollgate::clock::Clock::now_ms(&clock);
-    let engine_with = |store: &Arc<MemoryStore>| {
-        Arc::new(Engine::new(
-            rules.clone(),
-            Arc::new(MemoryBackend {
-                store: Arc::clone(store),
-            }),
-            Arc::new(SystemClock),
-            Metrics::new(),
-            UnavailablePolicy::Error,
-        ))
-    };
+    let current_rules =
+        || -> Arc<dyn CurrentRules> { Arc::new(FixedRules(Arc::new(rules.clone()))) };
     let store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
     let rule = &rules.rules()[0];
     let mut key = Vec::new();
@@ -177,8 +175,13 @@ fn persistence_cost() {
         key_prefix: "tollgate:persist:".into(),
         timeout_ms: 10_000,
     };
-    let persistence =
-        Persistence::start(config.clone(), Arc::clone(&store), engine_with(&store)).unwrap();
+    let persistence = Persistence::start(
+        config.clone(),
+        Arc::clone(&store),
+        current_rules(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
     let stats = persistence.stats();
     // One tick is one full pass here (the budget is every counter). Returns
     // the time and the counters written of the pass that ends `passes`.
@@ -245,7 +248,13 @@ fn persistence_cost() {
 
     let fresh = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
     let started = Instant::now();
-    let reloaded = Persistence::start(config, Arc::clone(&fresh), engine_with(&fresh)).unwrap();
+    let reloaded = Persistence::start(
+        config,
+        Arc::clone(&fresh),
+        current_rules(),
+        Arc::new(SystemClock),
+    )
+    .unwrap();
     let load_ms = started.elapsed().as_millis();
     assert_eq!(fresh.live_keys(), counters);
     drop(reloaded);

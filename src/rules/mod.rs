@@ -22,6 +22,13 @@ use std::sync::Arc;
 /// is given no rule file.
 pub const EMBEDDED_DEFAULT_INI: &str = include_str!("default.ini");
 
+/// The rules being served, replaced whole on reload: what background work
+/// (persistence) reads instead of holding whoever serves them. Each call
+/// returns the rules current at that moment.
+pub trait CurrentRules: Send + Sync + 'static {
+    fn current(&self) -> Arc<RuleSet>;
+}
+
 /// What a matching rule does with its result (SPEC §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatchPolicy {

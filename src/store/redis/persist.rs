@@ -23,9 +23,9 @@
 
 use super::client::{ClientConfig, HealthBoard, Lease, RedisClient};
 use super::RedisSetupError;
-use crate::engine::Engine;
+use crate::clock::Clock;
 use crate::limiter::CounterState;
-use crate::rules::{CounterId, Quota, Rule, RuleSet};
+use crate::rules::{CounterId, CurrentRules, Quota, Rule, RuleSet};
 use crate::store::MemoryStore;
 use redis::{ConnectionInfo, Value};
 use std::collections::HashMap;
@@ -100,12 +100,14 @@ pub struct Persistence {
 impl Persistence {
     /// Connects, loads the persisted counters into `store` (blocking, before
     /// the caller starts serving), then writes counters every interval.
-    /// An unreachable Redis is not fatal: it is logged, nothing is loaded,
-    /// and writing starts when Redis is reachable.
+    /// `rules` says which rules own counters now (a reload may change them),
+    /// `clock` what time it is. An unreachable Redis is not fatal: it is
+    /// logged, nothing is loaded, and writing starts when Redis is reachable.
     pub fn start(
         config: PersistConfig,
         store: Arc<MemoryStore>,
-        engine: Arc<Engine>,
+        rules: Arc<dyn CurrentRules>,
+        clock: Arc<dyn Clock>,
     ) -> Result<Persistence, RedisSetupError> {
         let client = RedisClient::start(ClientConfig {
             connection_info: config.connection_info.clone(),
@@ -119,7 +121,8 @@ impl Persistence {
         let writer = Writer {
             client: client.clone(),
             store,
-            engine,
+            rules,
+            clock,
             config,
             stats: Arc::clone(&stats),
             cursor: 0,
@@ -182,7 +185,8 @@ impl Persistence {
 struct Writer {
     client: RedisClient,
     store: Arc<MemoryStore>,
-    engine: Arc<Engine>,
+    rules: Arc<dyn CurrentRules>,
+    clock: Arc<dyn Clock>,
     config: PersistConfig,
     stats: Arc<PersistStats>,
     /// Next stripe to write.
@@ -274,9 +278,9 @@ impl Writer {
         if self.client.lease().is_none() {
             return Err(PersistError::Redis(self.client.not_connected().to_string()));
         }
-        let rules = self.engine.rules();
-        let persisted_rules = PersistedRules::new(&rules.set);
-        let now_ms = self.engine.clock().now_ms();
+        let rules = self.rules.current();
+        let persisted_rules = PersistedRules::new(&rules);
+        let now_ms = self.clock.now_ms();
         let pattern = format!("{}*", escape_glob(&self.config.key_prefix));
         let mut cursor: u64 = 0;
         let mut loaded = 0;
@@ -360,9 +364,9 @@ impl Writer {
     /// many stripes were visited.
     async fn write_step(&mut self, budget: usize) -> (Result<u64, PersistError>, usize) {
         let started = Instant::now();
-        let now_ms = self.engine.clock().now_ms();
-        let rules = self.engine.rules();
-        let heads = PersistedRules::new(&rules.set).key_heads(&self.config.key_prefix);
+        let now_ms = self.clock.now_ms();
+        let rules = self.rules.current();
+        let heads = PersistedRules::new(&rules).key_heads(&self.config.key_prefix);
         let mut copied: Vec<(Vec<u8>, CounterState)> = Vec::new();
         let (next, stripes) =
             self.store
