@@ -21,7 +21,7 @@ use std::time::Instant;
 
 /// What a hit gets when its counter cannot be decided (backend down, live-key
 /// cap reached).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum UnavailablePolicy {
     /// `ERR unknown "<reason>"`, as divvy answers when Redis fails.
     #[default]
@@ -150,9 +150,15 @@ impl Engine {
             metrics,
             unavailable_policy,
             extensions: Vec::new(),
-            debug_rules: std::env::var("DEBUG")
-                .is_ok_and(|v| v.split(',').any(|s| s.trim() == "divvy")),
+            debug_rules: false,
         }
+    }
+
+    /// Logs each evaluated rule's comment at debug level (divvy's
+    /// `DEBUG=divvy`; the binary reads the variable).
+    pub fn with_debug_rules(mut self, debug_rules: bool) -> Engine {
+        self.debug_rules = debug_rules;
+        self
     }
 
     /// Adds a handler for extension commands (`TAKE`, `QUERY`, `TOPOLOGY`).

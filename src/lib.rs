@@ -8,6 +8,7 @@
 //! [`server`] (sockets, threads, shutdown). Binaries are thin wrappers.
 
 pub mod app;
+pub mod cli;
 pub mod client;
 pub mod clock;
 pub mod cluster;

@@ -19,7 +19,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{connect_async, MaybeTlsStream, WebSocketStream};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::droplet::proto::{RequestMessage, ResponseMessage};
-use tollgate::droplet::{BucketsConfig, DropletServerConfig};
+use tollgate::droplet::DropletConfig;
 
 type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
@@ -268,6 +268,47 @@ fn raw_http(server: &DropletTestServer, request: &[u8]) -> String {
     String::from_utf8(answer).unwrap()
 }
 
+#[test]
+fn connections_beyond_the_limit_get_503_and_are_counted() {
+    let config = tollgate::app::ServeConfig {
+        limits: tollgate::server::Limits {
+            connections_max: 2,
+            ..tollgate::server::Limits::default()
+        },
+        droplet: DropletConfig {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            ..DropletConfig::default()
+        },
+        ..common::test_config(tollgate::rules::RuleSet::embedded_default())
+    };
+    let server = common::TestServer::start_app(config, common::on_clock(common::manual_clock()));
+    let droplet_addr = server.app.droplet_addr().unwrap();
+    // A connection holds its slot from the moment it is accepted.
+    let held: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(droplet_addr).unwrap())
+        .collect();
+    let deadline = std::time::Instant::now() + WAIT;
+    let answer = loop {
+        let mut refused = std::net::TcpStream::connect(droplet_addr).unwrap();
+        let mut answer = String::new();
+        // Accepting is asynchronous: until both held connections are counted,
+        // a third may still get in (and then waits for its handshake).
+        refused
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        match refused.read_to_string(&mut answer) {
+            Ok(_) => break answer,
+            Err(_) => assert!(std::time::Instant::now() < deadline, "never refused"),
+        }
+    };
+    assert!(
+        answer.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+        "{answer}"
+    );
+    assert!(server.engine.metrics.connections_refused() >= 1);
+    drop(held);
+}
+
 #[tokio::test]
 async fn plain_http_gets_not_implemented_and_bad_upgrades_400() {
     let server = DropletTestServer::start(common::manual_clock());
@@ -295,12 +336,11 @@ async fn plain_http_gets_not_implemented_and_bad_upgrades_400() {
 
 #[tokio::test]
 async fn an_oversized_message_gets_close_1009() {
-    let config = DropletServerConfig {
+    let config = DropletConfig {
         message_bytes_max: 1024,
-        ..DropletServerConfig::default()
+        ..DropletConfig::default()
     };
-    let server =
-        DropletTestServer::start_with(common::manual_clock(), BucketsConfig::default(), config);
+    let server = DropletTestServer::start_with(common::manual_clock(), config);
     let mut client = connect(&server).await;
     let big = take(&"b".repeat(2_000), 10, None);
     client.send(Message::Binary(big.into())).await.unwrap();
@@ -312,16 +352,11 @@ async fn an_oversized_message_gets_close_1009() {
 
 #[tokio::test]
 async fn the_bucket_cap_answers_accept_false() {
-    let buckets = BucketsConfig {
-        stripes: 1,
+    let config = DropletConfig {
         buckets_max: 1,
-        ..BucketsConfig::default()
+        ..DropletConfig::default()
     };
-    let server = DropletTestServer::start_with(
-        common::manual_clock(),
-        buckets,
-        DropletServerConfig::default(),
-    );
+    let server = DropletTestServer::start_with(common::manual_clock(), config);
     let mut client = connect(&server).await;
     assert_eq!(
         ask(&mut client, take("one", 10, None)).await,
@@ -351,19 +386,17 @@ async fn line_and_websocket_share_buckets() {
 
 #[tokio::test]
 async fn shutdown_closes_connections_with_1001() {
-    let mut server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(common::manual_clock());
     let mut client = connect(&server).await;
     assert_eq!(
         ask(&mut client, take("s", 10, None)).await,
         [0x08, 0x01, 0x10, 0x09]
     );
-    let stopping = tokio::task::spawn_blocking(move || {
-        server.stop_droplet();
-        server
-    });
+    let droplet_addr = server.droplet_addr;
+    let stopping = tokio::task::spawn_blocking(move || server.stop());
     expect_close(&mut client, CloseCode::Away).await;
-    let server = stopping.await.unwrap();
-    assert!(std::net::TcpStream::connect(server.droplet_addr).is_err());
+    stopping.await.unwrap();
+    assert!(std::net::TcpStream::connect(droplet_addr).is_err());
 }
 
 #[tokio::test]

@@ -236,28 +236,17 @@ fn pipelined_requests_awaiting_answers_are_bounded_per_connection() {
         started: Default::default(),
         release: Arc::new(tokio::sync::Semaphore::new(0)),
     });
-    let store = Arc::new(tollgate::store::MemoryStore::new(
-        MemoryStoreConfig::default(),
-    ));
-    let engine = tollgate::engine::Engine::new(
+    let server = TestServer::start(
         RuleSet::from_ini(RULES).unwrap(),
-        Arc::new(tollgate::store::MemoryBackend {
-            store: Arc::clone(&store),
-        }),
-        Arc::new(tollgate::clock::SystemClock),
-        tollgate::metrics::Metrics::new(),
-        Default::default(),
-    )
-    .with_extension(held.clone());
-    let server = TestServer::start_engine(
-        Arc::new(engine),
-        store,
-        1,
-        Limits {
-            pipeline_max: 8,
-            ..Limits::default()
+        TestOptions {
+            threads: 1,
+            limits: Limits {
+                pipeline_max: 8,
+                ..Limits::default()
+            },
+            extensions: vec![held.clone()],
+            ..TestOptions::default()
         },
-        2_000,
     );
     let mut stream = server.connect();
     let requests: String = (0..100).map(|_| "QUERY bucket=x\n").collect();
@@ -366,23 +355,15 @@ impl tollgate::engine::CommandExtension for PanicOnQuery {
 
 #[test]
 fn a_panic_in_one_connection_closes_only_that_connection() {
-    use std::sync::Arc;
-    let store = Arc::new(tollgate::store::MemoryStore::new(
-        MemoryStoreConfig::default(),
-    ));
-    let engine = Arc::new(
-        tollgate::engine::Engine::new(
-            RuleSet::from_ini(RULES).unwrap(),
-            Arc::new(tollgate::store::MemoryBackend {
-                store: Arc::clone(&store),
-            }),
-            Arc::new(tollgate::clock::SystemClock),
-            tollgate::metrics::Metrics::new(),
-            Default::default(),
-        )
-        .with_extension(Arc::new(PanicOnQuery)),
+    let server = TestServer::start(
+        RuleSet::from_ini(RULES).unwrap(),
+        TestOptions {
+            threads: 1,
+            extensions: vec![std::sync::Arc::new(PanicOnQuery)],
+            ..TestOptions::default()
+        },
     );
-    let server = TestServer::start_engine(Arc::clone(&engine), store, 1, Limits::default(), 2_000);
+    let engine = std::sync::Arc::clone(&server.engine);
     let mut bystander = server.connect();
     assert_eq!(request(&mut bystander, "HIT op=a u=1"), "OK true 999999 60");
     for _ in 0..3 {

@@ -1,6 +1,7 @@
-//! Helpers shared by the integration tests: a real server on 127.0.0.1 port 0
-//! (in-process, its own serving threads), raw-byte conversations, and a
-//! manual clock when a test must control time.
+//! Helpers shared by the integration tests: a real server on 127.0.0.1 port
+//! 0, built in-process by [`App`] (the binary's startup, its own serving
+//! threads), raw-byte conversations, and a manual clock when a test must
+//! control time. [`redis`] adds a real `redis-server`.
 #![allow(dead_code)]
 
 pub mod redis;
@@ -9,23 +10,37 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
+use tollgate::app::{App, Hooks, RuleSource, RunningApp, ServeConfig};
 use tollgate::clock::{Clock, ManualClock, SystemClock};
-use tollgate::engine::{Engine, UnavailablePolicy};
-use tollgate::metrics::Metrics;
+use tollgate::engine::{CommandExtension, Engine, UnavailablePolicy};
 use tollgate::rules::RuleSet;
-use tollgate::server::{Limits, RunningServer, Server, ServerConfig};
-use tollgate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
+use tollgate::server::Limits;
+use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
 /// How long any single socket read in a test may wait before failing.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A server's configuration for tests: `rules`, on 127.0.0.1 port 0, two
+/// serving threads, a short drain.
+pub fn test_config(rules: RuleSet) -> ServeConfig {
+    ServeConfig {
+        rules: RuleSource::Loaded(rules),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        threads: Some(2),
+        drain_timeout_ms: 2_000,
+        ..ServeConfig::default()
+    }
+}
+
+/// A server started by [`App`]; stopped when dropped.
 pub struct TestServer {
     pub addr: SocketAddr,
     pub engine: Arc<Engine>,
     pub store: Arc<MemoryStore>,
-    running: Option<RunningServer>,
+    pub app: RunningApp,
 }
 
+/// What the tests of the line protocol vary.
 #[derive(Clone)]
 pub struct TestOptions {
     pub threads: usize,
@@ -34,6 +49,8 @@ pub struct TestOptions {
     pub clock: Arc<dyn Clock>,
     pub policy: UnavailablePolicy,
     pub drain_timeout_ms: u64,
+    /// More line commands (tests that need replies to wait, or to panic).
+    pub extensions: Vec<Arc<dyn CommandExtension>>,
 }
 
 impl Default for TestOptions {
@@ -45,6 +62,7 @@ impl Default for TestOptions {
             clock: Arc::new(SystemClock),
             policy: UnavailablePolicy::Error,
             drain_timeout_ms: 2_000,
+            extensions: Vec::new(),
         }
     }
 }
@@ -62,45 +80,34 @@ impl TestServer {
     }
 
     pub fn start(rules: RuleSet, options: TestOptions) -> TestServer {
-        let store = Arc::new(MemoryStore::new(options.store));
-        let engine = Arc::new(Engine::new(
-            rules,
-            Arc::new(MemoryBackend {
-                store: Arc::clone(&store),
-            }),
-            options.clock,
-            Metrics::new(),
-            options.policy,
-        ));
-        Self::start_engine(
-            engine,
-            store,
-            options.threads,
-            options.limits,
-            options.drain_timeout_ms,
+        let config = ServeConfig {
+            threads: Some(options.threads),
+            limits: options.limits,
+            store: options.store,
+            unavailable_policy: options.policy,
+            drain_timeout_ms: options.drain_timeout_ms,
+            ..test_config(rules)
+        };
+        Self::start_app(
+            config,
+            Hooks {
+                clock: Some(options.clock),
+                extensions: options.extensions,
+            },
         )
     }
 
-    pub fn start_engine(
-        engine: Arc<Engine>,
-        store: Arc<MemoryStore>,
-        threads: usize,
-        limits: Limits,
-        drain_timeout_ms: u64,
-    ) -> TestServer {
-        let config = ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            threads,
-            limits,
-            drain_timeout_ms,
-        };
-        let server = Server::bind(config, Arc::clone(&engine)).expect("bind on port 0");
-        let running = server.spawn().expect("spawn serving threads");
+    /// The one way every test server starts: the binary's own [`App`].
+    pub fn start_app(config: ServeConfig, hooks: Hooks) -> TestServer {
+        let app = App::build_with(config, hooks)
+            .expect("build the test server")
+            .spawn()
+            .expect("serve");
         TestServer {
-            addr: running.local_addr,
-            engine,
-            store,
-            running: Some(running),
+            addr: app.local_addr(),
+            engine: Arc::clone(app.engine()),
+            store: Arc::clone(app.store()),
+            app,
         }
     }
 
@@ -114,18 +121,8 @@ impl TestServer {
         converse(self.addr, bytes)
     }
 
-    pub fn stop(mut self) {
-        if let Some(running) = self.running.take() {
-            running.stop();
-        }
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(running) = self.running.take() {
-            running.stop();
-        }
+    pub fn stop(self) {
+        self.app.stop();
     }
 }
 
@@ -176,4 +173,12 @@ pub fn read_line(stream: &mut TcpStream) -> String {
 /// A manual clock starting at a fixed, realistic time.
 pub fn manual_clock() -> Arc<ManualClock> {
     Arc::new(ManualClock::new(1_700_000_000_000))
+}
+
+/// Hooks that put `clock` in charge of time.
+pub fn on_clock(clock: Arc<dyn Clock>) -> Hooks {
+    Hooks {
+        clock: Some(clock),
+        ..Hooks::default()
+    }
 }

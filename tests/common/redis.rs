@@ -8,19 +8,15 @@
 //! `TOLLGATE_SKIP_REDIS=1` is set outside CI (then it returns `None` after a
 //! loud notice, and the test returns early).
 
-use super::{TestServer, IO_TIMEOUT};
+use super::{test_config, TestServer, IO_TIMEOUT};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tollgate::clock::SystemClock;
-use tollgate::engine::{Engine, UnavailablePolicy};
-use tollgate::metrics::Metrics;
+use tollgate::app::{Hooks, ServeConfig};
+use tollgate::engine::UnavailablePolicy;
 use tollgate::rules::RuleSet;
-use tollgate::server::Limits;
-use tollgate::store::redis::{BackendKind, RedisArgs, RedisBackend};
-use tollgate::store::{MemoryStore, MemoryStoreConfig};
+use tollgate::store::redis::{BackendKind, RedisConfig};
 
 /// How long a started or restarted redis-server may take to answer.
 const REDIS_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -194,18 +190,14 @@ impl Drop for RedisServer {
     }
 }
 
-/// The redis backend's flags, as `tollgate serve --backend redis --redis-url URL`.
-pub fn redis_args(url: &str, backend_timeout_ms: u64) -> RedisArgs {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Flags {
-        #[command(flatten)]
-        redis: RedisArgs,
+/// The redis backend, as `tollgate serve --backend redis --redis-url URL`.
+pub fn redis_config(url: &str, backend_timeout_ms: u64) -> RedisConfig {
+    RedisConfig {
+        backend: BackendKind::Redis,
+        redis_url: Some(url.to_owned()),
+        backend_timeout_ms,
+        ..RedisConfig::default()
     }
-    let mut args = Flags::parse_from(["tollgate", "--backend", "redis", "--redis-url", url]).redis;
-    assert_eq!(args.backend, BackendKind::Redis);
-    args.backend_timeout_ms = backend_timeout_ms;
-    args
 }
 
 /// An in-process Tollgate on the redis backend, on 127.0.0.1 port 0.
@@ -215,22 +207,12 @@ pub fn start_on_redis(
     backend_timeout_ms: u64,
     policy: UnavailablePolicy,
 ) -> TestServer {
-    let metrics = Metrics::new();
-    let backend = RedisBackend::start(
-        &redis_args(url, backend_timeout_ms),
-        &rules,
-        Arc::clone(&metrics),
-    )
-    .expect("start the redis backend");
-    let engine = Arc::new(Engine::new(
-        rules,
-        Arc::new(backend),
-        Arc::new(SystemClock),
-        metrics,
-        policy,
-    ));
-    let unused_store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
-    TestServer::start_engine(engine, unused_store, 2, Limits::default(), 2_000)
+    let config = ServeConfig {
+        redis: redis_config(url, backend_timeout_ms),
+        unavailable_policy: policy,
+        ..test_config(rules)
+    };
+    TestServer::start_app(config, Hooks::default())
 }
 
 /// Waits until `condition` holds, polling; false at the deadline.
