@@ -3,9 +3,8 @@
 //! text parser), health and readiness, statsd received on real UDP and TCP
 //! sockets, and a dead or stalled statsd sink that must not slow hits.
 
-mod common;
+use crate::util;
 
-use common::{converse, request, TestServer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -16,6 +15,7 @@ use tollgate::observability::health::Readiness;
 use tollgate::observability::http::HttpConfig;
 use tollgate::observability::statsd::{StatsdConfig, StatsdTransport};
 use tollgate::observability::{Observability, Observed};
+use util::{converse, request, TestServer};
 
 /// A canary rule in front of a labelled stop rule, an unlabelled limited rule,
 /// and an unlabelled always-deny default.
@@ -422,7 +422,7 @@ fn refused_connections_are_counted() {
         connections_max: 1,
         ..Default::default()
     };
-    let options = common::TestOptions {
+    let options = util::TestOptions {
         limits,
         ..Default::default()
     };

@@ -3,9 +3,8 @@
 //! shutdown) and a crash once an interval has passed (periodic writes);
 //! changed limits start fresh counters. The ignored test measures the cost.
 
-mod common;
+use crate::util;
 
-use common::redis::{hit_once, RedisServer, ServeProcess};
 use redis::Commands;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -16,6 +15,7 @@ use tollgate::limiter::{CounterState, WindowQuota};
 use tollgate::rules::{CurrentRules, RuleSet};
 use tollgate::store::redis::{PersistConfig, Persistence};
 use tollgate::store::{memory_key, CounterOp, MemoryStore, MemoryStoreConfig};
+use util::redis::{hit_once, RedisServer, ServeProcess};
 
 fn rules_file(limit: u64) -> tempfile::NamedTempFile {
     let mut file = tempfile::Builder::new().suffix(".ini").tempfile().unwrap();
@@ -100,7 +100,7 @@ fn counters_survive_a_crash_once_an_interval_has_passed() {
     // with the window.
     let key = "tollgate:persist:fixed-window:5:3600:0::ann";
     let mut conn = redis.connection();
-    let written = common::redis::wait_for(Duration::from_secs(5), || {
+    let written = util::redis::wait_for(Duration::from_secs(5), || {
         conn.get::<_, Option<String>>(key)
             .unwrap()
             .is_some_and(|value| value.ends_with(":3"))
@@ -274,7 +274,7 @@ fn counters_are_written_again_after_the_persistence_redis_lost_them() {
     assert_eq!(hit(server.addr, "ann"), "OK true 4 3600");
     let key = "tollgate:persist:fixed-window:5:3600:0::ann";
     let persisted = |redis: &RedisServer, within: Duration| {
-        common::redis::wait_for(within, || {
+        util::redis::wait_for(within, || {
             redis
                 .connection()
                 .get::<_, Option<String>>(key)

@@ -5,23 +5,22 @@
 //! so accrual is asserted exactly. Missing `node` or node_modules is a
 //! failure, never a silent pass; the whole conversation is bounded in time.
 
-mod common;
-mod droplet_support;
+use crate::util;
 
-use droplet_support::DropletTestServer;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use util::droplet::DropletTestServer;
 
 /// The whole Node conversation must finish within this.
 const NODE_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[test]
 fn the_published_droplet_client_gets_droplets_answers() {
-    let clock = common::manual_clock();
+    let clock = util::manual_clock();
     let server = DropletTestServer::start(clock.clone());
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/node");
     assert!(

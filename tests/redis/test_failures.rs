@@ -3,9 +3,8 @@
 //! timeout (plus scheduling slack), nothing hangs, the server reconnects by
 //! itself, and the unavailability policy decides what hits get meanwhile.
 
-mod common;
+use crate::util;
 
-use common::redis::{free_port, hit_once, start_on_redis, wait_for, RedisServer, ServeProcess};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tollgate::engine::UnavailablePolicy;
 use tollgate::rules::RuleSet;
+use util::redis::{free_port, hit_once, start_on_redis, wait_for, RedisServer, ServeProcess};
 
 const BACKEND_TIMEOUT_MS: u64 = 300;
 /// An answer may come this much later than the backend timeout (thread
@@ -238,7 +238,7 @@ fn policies_decide_what_hits_get_while_redis_is_unreachable() {
         // The connection stays open: a policy answer is not an error.
         for _ in 0..3 {
             assert_eq!(
-                common::request(&mut stream, "HIT user=a"),
+                util::request(&mut stream, "HIT user=a"),
                 expected,
                 "{policy:?}"
             );

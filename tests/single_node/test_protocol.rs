@@ -2,10 +2,10 @@
 //! error table, quoting, `\r\n`, pipelining order, close after `ERR` with
 //! nothing after it executed, and the README's walkthrough.
 
-mod common;
+use crate::util;
 
-use common::{converse, request, TestServer};
 use std::io::{Read, Write};
+use util::{converse, request, TestServer};
 
 #[test]
 fn every_error_row_of_the_spec_answers_exact_bytes_and_closes() {

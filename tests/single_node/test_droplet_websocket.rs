@@ -3,10 +3,8 @@
 //! subprotocol echo, permessage-deflate offers, plain HTTP, size bounds,
 //! shutdown, and buckets shared with the line protocol.
 
-mod common;
-mod droplet_support;
+use crate::util;
 
-use droplet_support::DropletTestServer;
 use futures_util::{SinkExt, StreamExt};
 use prost::Message as _;
 use std::io::{Read, Write};
@@ -20,10 +18,11 @@ use tokio_tungstenite::{connect_async, MaybeTlsStream, WebSocketStream};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::droplet::proto::{RequestMessage, ResponseMessage};
 use tollgate::droplet::DropletConfig;
+use util::droplet::DropletTestServer;
 
 type Client = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
-const WAIT: Duration = common::IO_TIMEOUT;
+const WAIT: Duration = util::IO_TIMEOUT;
 
 fn request(bucket: &str) -> RequestMessage {
     RequestMessage {
@@ -136,7 +135,7 @@ async fn takes_and_queries_answer_the_spec_bytes() {
 
 #[tokio::test]
 async fn pipelined_requests_are_answered_in_order() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let mut client = connect(&server).await;
     for _ in 0..200 {
         client
@@ -155,7 +154,7 @@ async fn pipelined_requests_are_answered_in_order() {
 
 #[tokio::test]
 async fn a_text_frame_gets_close_1000_after_earlier_answers() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let mut client = connect(&server).await;
     client
         .feed(Message::Binary(take("t", 5, None).into()))
@@ -173,13 +172,13 @@ async fn a_text_frame_gets_close_1000_after_earlier_answers() {
     assert_eq!(decoded(&bytes), (true, Some(4), None));
     expect_close(&mut client, CloseCode::Normal).await;
     // The request after the text frame was not executed.
-    let line = common::converse(server.line.addr, b"QUERY bucket=t\n");
+    let line = util::converse(server.line.addr, b"QUERY bucket=t\n");
     assert_eq!(line, "OK true ls=4\n");
 }
 
 #[tokio::test]
 async fn garbage_gets_close_1000() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let mut client = connect(&server).await;
     client
         .send(Message::Binary(vec![0xff, 0xff, 0xff, 0x00].into()))
@@ -190,7 +189,7 @@ async fn garbage_gets_close_1000() {
 
 #[tokio::test]
 async fn a_missing_id_or_bucket_gets_close_1000() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     for message in [
         RequestMessage {
             id: None,
@@ -212,7 +211,7 @@ async fn a_missing_id_or_bucket_gets_close_1000() {
 
 #[tokio::test]
 async fn ping_gets_pong_and_the_connection_stays_open() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let mut client = connect(&server).await;
     client
         .send(Message::Ping(b"are you there".to_vec().into()))
@@ -230,7 +229,7 @@ async fn ping_gets_pong_and_the_connection_stays_open() {
 
 #[tokio::test]
 async fn the_first_subprotocol_is_echoed_and_deflate_offers_still_connect() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let mut request = server.ws_url().into_client_request().unwrap();
     let headers = request.headers_mut();
     headers.insert(
@@ -279,9 +278,9 @@ fn connections_beyond_the_limit_get_503_and_are_counted() {
             listen: Some("127.0.0.1:0".parse().unwrap()),
             ..DropletConfig::default()
         },
-        ..common::test_config(tollgate::rules::RuleSet::embedded_default())
+        ..util::test_config(tollgate::rules::RuleSet::embedded_default())
     };
-    let server = common::TestServer::start_app(config, common::on_clock(common::manual_clock()));
+    let server = util::TestServer::start_app(config, util::on_clock(util::manual_clock()));
     let droplet_addr = server.app.droplet_addr().unwrap();
     // A connection holds its slot from the moment it is accepted.
     let held: Vec<_> = (0..2)
@@ -311,7 +310,7 @@ fn connections_beyond_the_limit_get_503_and_are_counted() {
 
 #[tokio::test]
 async fn plain_http_gets_not_implemented_and_bad_upgrades_400() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let answer = raw_http(
         &server,
         b"GET /anything HTTP/1.1\r\nHost: localhost\r\n\r\n",
@@ -340,7 +339,7 @@ async fn an_oversized_message_gets_close_1009() {
         message_bytes_max: 1024,
         ..DropletConfig::default()
     };
-    let server = DropletTestServer::start_with(common::manual_clock(), config);
+    let server = DropletTestServer::start_with(util::manual_clock(), config);
     let mut client = connect(&server).await;
     let big = take(&"b".repeat(2_000), 10, None);
     client.send(Message::Binary(big.into())).await.unwrap();
@@ -356,7 +355,7 @@ async fn the_bucket_cap_answers_accept_false() {
         buckets_max: 1,
         ..DropletConfig::default()
     };
-    let server = DropletTestServer::start_with(common::manual_clock(), config);
+    let server = DropletTestServer::start_with(util::manual_clock(), config);
     let mut client = connect(&server).await;
     assert_eq!(
         ask(&mut client, take("one", 10, None)).await,
@@ -371,8 +370,8 @@ async fn the_bucket_cap_answers_accept_false() {
 
 #[tokio::test]
 async fn line_and_websocket_share_buckets() {
-    let server = DropletTestServer::start(common::manual_clock());
-    let answers = common::converse(
+    let server = DropletTestServer::start(util::manual_clock());
+    let answers = util::converse(
         server.line.addr,
         b"TAKE bucket=shared ls=10 lm=100 count=3\n",
     );
@@ -386,7 +385,7 @@ async fn line_and_websocket_share_buckets() {
 
 #[tokio::test]
 async fn shutdown_closes_connections_with_1001() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let mut client = connect(&server).await;
     assert_eq!(
         ask(&mut client, take("s", 10, None)).await,
@@ -401,7 +400,7 @@ async fn shutdown_closes_connections_with_1001() {
 
 #[tokio::test]
 async fn frames_sent_with_the_handshake_are_answered() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let payload = take("eager", 10, None);
     let mut bytes =
         b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\

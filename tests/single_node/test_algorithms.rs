@@ -2,11 +2,11 @@
 //! the fixed window (divvy's), the token bucket and the sliding window side
 //! by side, with `PEEK` for each.
 
-mod common;
+use crate::util;
 
-use common::{TestOptions, TestServer};
 use std::io::Write;
 use tollgate::rules::{Algorithm, RuleSet};
+use util::{TestOptions, TestServer};
 
 const RULES: &str = "\
 [route=fixed]
@@ -43,7 +43,7 @@ fn start() -> (TestServer, std::sync::Arc<tollgate::clock::ManualClock>) {
             Algorithm::FixedWindow
         ]
     );
-    let clock = common::manual_clock();
+    let clock = util::manual_clock();
     let options = TestOptions {
         clock: clock.clone(),
         ..TestOptions::default()
@@ -56,7 +56,7 @@ fn each_algorithm_admits_a_burst_its_own_way() {
     let (server, clock) = start();
     // The clock starts on a multiple of 10 s: sliding windows are aligned.
     let mut s = server.connect();
-    let mut hit = |line: &str| common::request(&mut s, line);
+    let mut hit = |line: &str| util::request(&mut s, line);
 
     // Fixed window: 3, then denied until the window closes 10 s later.
     for expected in [
@@ -119,7 +119,7 @@ fn the_documented_burst_table_holds() {
          [default]\ncreditLimit = 0\n",
     )
     .unwrap();
-    let clock = common::manual_clock();
+    let clock = util::manual_clock();
     let server = TestServer::start(
         rules,
         TestOptions {
@@ -150,7 +150,7 @@ fn the_documented_burst_table_holds() {
         elapsed_ms = at_ms;
         for (rule, (route, _)) in expected.iter().enumerate() {
             for _ in 0..sent {
-                if common::request(&mut s, &format!("HIT route={route}")).starts_with("OK true") {
+                if util::request(&mut s, &format!("HIT route={route}")).starts_with("OK true") {
                     admitted[rule][step] += 1;
                 }
             }

@@ -3,9 +3,7 @@
 //! a stranger writing well-formed peer frames without the handshake gets
 //! nothing back and changes nothing, and cluster mode needs a secret.
 
-mod cluster_support;
-
-use cluster_support::*;
+use crate::cluster_support::*;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::Command;

@@ -1,12 +1,12 @@
 //! No over-admission under concurrency: many connections spread over every
 //! serving thread hammer one actor whose limit is L; exactly L are admitted.
 
-mod common;
+use crate::util;
 
-use common::TestServer;
 use std::io::{BufRead, BufReader, Write};
 use std::sync::Arc;
 use std::sync::Barrier;
+use util::TestServer;
 
 #[test]
 fn many_connections_on_all_threads_admit_exactly_the_limit() {
@@ -22,7 +22,7 @@ fn many_connections_on_all_threads_admit_exactly_the_limit() {
             let addr = server.addr;
             let barrier = Arc::clone(&barrier);
             std::thread::spawn(move || {
-                let mut stream = common::connect(addr);
+                let mut stream = util::connect(addr);
                 barrier.wait();
                 let mut allowed = 0;
                 let mut reader = BufReader::new(stream.try_clone().unwrap());

@@ -1,14 +1,14 @@
 //! Limits against bad clients, each driven past its bound over a real socket:
 //! the clear error, bounded memory, and well-behaved clients unaffected.
 
-mod common;
+use crate::util;
 
-use common::{connect, request, TestOptions, TestServer};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 use tollgate::rules::RuleSet;
 use tollgate::server::Limits;
 use tollgate::store::MemoryStoreConfig;
+use util::{connect, request, TestOptions, TestServer};
 
 const RULES: &str =
     "[op=a]\ncreditLimit=1000000\nresetSeconds=60\nactorField=u\n[default]\ncreditLimit=0\n";
@@ -79,7 +79,7 @@ fn connections_beyond_the_limit_are_refused_with_an_error() {
     loop {
         let mut stream = server.connect();
         stream.write_all(b"HIT op=a u=new\n").unwrap();
-        let answer = common::read_line(&mut stream);
+        let answer = util::read_line(&mut stream);
         if answer == "OK true 999999 60" {
             break;
         }

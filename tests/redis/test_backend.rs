@@ -4,15 +4,15 @@
 //! `SCRIPT FLUSH` under load reaches no client, and concurrent connections on
 //! one actor never admit more than the limit.
 
-mod common;
+use crate::util;
 
-use common::redis::{start_on_redis, RedisServer, ServeProcess};
-use common::{connect, converse, read_line, request, TestServer};
 use redis::Commands;
 use std::io::Write;
 use std::time::Duration;
 use tollgate::engine::UnavailablePolicy;
 use tollgate::rules::RuleSet;
+use util::redis::{start_on_redis, RedisServer, ServeProcess};
+use util::{connect, converse, read_line, request, TestServer};
 
 /// The backend waits this long for Redis in these tests (Redis is healthy).
 const TIMEOUT_MS: u64 = 2_000;
@@ -438,7 +438,7 @@ fn serve_reads_divvys_redis_environment() {
         &["--backend", "redis"],
         &[("REDIS_HOST", "127.0.0.1"), ("REDIS_PORT", port.as_str())],
     );
-    let answer = common::redis::hit_once(
+    let answer = util::redis::hit_once(
         server.addr,
         "HIT method=GET path=/status",
         Duration::from_secs(10),

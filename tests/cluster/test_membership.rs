@@ -4,9 +4,7 @@
 //! both moves, and clients see no error: hits on a shard whose leader hands
 //! it over wait for the successor.
 
-mod cluster_support;
-
-use cluster_support::*;
+use crate::cluster_support::*;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

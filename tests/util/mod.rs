@@ -1,9 +1,11 @@
-//! Helpers shared by the integration tests: a real server on 127.0.0.1 port
-//! 0, built in-process by [`App`] (the binary's startup, its own serving
-//! threads), raw-byte conversations, and a manual clock when a test must
-//! control time. [`redis`] adds a real `redis-server`.
+//! Helpers shared by the single-node test binaries: a real server on
+//! 127.0.0.1 port 0, built in-process by [`App`] (the binary's startup, its
+//! own serving threads), raw-byte conversations, and a manual clock when a
+//! test must control time. [`redis`] adds a real `redis-server`, [`droplet`]
+//! the WebSocket endpoint.
 #![allow(dead_code)]
 
+pub mod droplet;
 pub mod redis;
 
 use std::io::{Read, Write};

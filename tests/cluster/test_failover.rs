@@ -4,9 +4,7 @@
 //! hits of the last replication interval), and a restarted node catches up
 //! by snapshot with its counters intact.
 
-mod cluster_support;
-
-use cluster_support::*;
+use crate::cluster_support::*;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -2,11 +2,11 @@
 //! opening, rounding to the nearest second, expiry, reopening, and counter
 //! identity across rule changes.
 
-mod common;
+use crate::util;
 
-use common::{manual_clock, request, TestOptions, TestServer};
 use std::sync::Arc;
 use tollgate::rules::RuleSet;
+use util::{manual_clock, request, TestOptions, TestServer};
 
 fn start(ini: &str) -> (TestServer, Arc<tollgate::clock::ManualClock>) {
     let clock = manual_clock();

@@ -2,11 +2,11 @@
 //! installed by `.ci/run` into tests/node) driven against a running server.
 //! Missing node or node_modules is a failure, never a silent pass.
 
-mod common;
+use crate::util;
 
-use common::TestServer;
 use std::path::Path;
 use std::process::Command;
+use util::TestServer;
 
 /// Runs `node tests/node/<script> 127.0.0.1 <port>` and parses its JSON line.
 pub fn run_node_script(script: &str, port: u16) -> serde_json::Value {

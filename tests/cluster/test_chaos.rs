@@ -7,9 +7,7 @@
 //! `true` answers in the window from `interval + 2 × commit timeout` before
 //! T to `commit timeout` after it.
 
-mod cluster_support;
-
-use cluster_support::*;
+use crate::cluster_support::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! counters of rules whose identity is unchanged, and refuses an invalid file
 //! (logged) while the old rules keep serving, also under load.
 
-mod common;
+use crate::util;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -72,8 +72,8 @@ fn reload(served: &Served) {
 fn wait_for_answer(addr: std::net::SocketAddr, line: &str, expected: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let mut stream = common::connect(addr);
-        let answer = common::request(&mut stream, line);
+        let mut stream = util::connect(addr);
+        let answer = util::request(&mut stream, line);
         if answer == expected {
             return;
         }
@@ -94,16 +94,16 @@ fn valid_reload_applies_without_dropping_connections_and_keeps_counters() {
     let rules = dir.path().join("rules.ini");
     std::fs::write(&rules, RULES_A).unwrap();
     let served = serve(dir.path(), &rules);
-    let mut stream = common::connect(served.addr);
-    assert_eq!(common::request(&mut stream, "HIT op=a"), "OK true 2 60");
-    assert_eq!(common::request(&mut stream, "HIT op=b"), "OK false 0 -1");
+    let mut stream = util::connect(served.addr);
+    assert_eq!(util::request(&mut stream, "HIT op=a"), "OK true 2 60");
+    assert_eq!(util::request(&mut stream, "HIT op=b"), "OK false 0 -1");
 
     std::fs::write(&rules, RULES_B).unwrap();
     reload(&served);
     wait_for_answer(served.addr, "PEEK op=b", "OK true 0 60");
     // Same connection, same counter for the unchanged rule.
-    assert_eq!(common::request(&mut stream, "HIT op=a"), "OK true 1 60");
-    assert_eq!(common::request(&mut stream, "HIT op=b"), "OK true 0 60");
+    assert_eq!(util::request(&mut stream, "HIT op=a"), "OK true 1 60");
+    assert_eq!(util::request(&mut stream, "HIT op=b"), "OK true 0 60");
 
     // An invalid file is refused; the current rules keep serving.
     std::fs::write(
@@ -122,8 +122,8 @@ fn valid_reload_applies_without_dropping_connections_and_keeps_counters() {
     }
     let log = std::fs::read_to_string(&served.log).unwrap();
     assert!(log.contains("creditLimit must be a number >= 0"), "{log}");
-    assert_eq!(common::request(&mut stream, "HIT op=a"), "OK true 0 60");
-    assert_eq!(common::request(&mut stream, "HIT op=b"), "OK false 0 60");
+    assert_eq!(util::request(&mut stream, "HIT op=a"), "OK true 0 60");
+    assert_eq!(util::request(&mut stream, "HIT op=b"), "OK false 0 60");
 }
 
 #[test]
@@ -140,7 +140,7 @@ fn identity_preserving_reloads_under_load_admit_exactly_the_limit() {
     let workers: Vec<_> = (0..4)
         .map(|_| {
             std::thread::spawn(move || {
-                let mut stream = common::connect(addr);
+                let mut stream = util::connect(addr);
                 let mut reader = BufReader::new(stream.try_clone().unwrap());
                 let mut allowed = 0;
                 for _ in 0..40 {

@@ -4,9 +4,7 @@
 //! stays at its limit, high-limit counters never go backwards, nothing
 //! acknowledged is forgotten, and errors happen only around each restart.
 
-mod cluster_support;
-
-use cluster_support::*;
+use crate::cluster_support::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

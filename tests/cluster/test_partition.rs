@@ -6,10 +6,8 @@
 //! keeps serving, and after healing the cluster converges with no counter
 //! going backwards and no limit exceeded.
 
-mod cluster_support;
-
-use cluster_support::proxy::{Mode, Proxy};
-use cluster_support::*;
+use crate::cluster_support::proxy::{Mode, Proxy};
+use crate::cluster_support::*;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};

@@ -3,9 +3,7 @@
 //! port 0, sharing one set of buckets and one clock, as
 //! `tollgate serve --droplet-listen` starts them.
 
-#![allow(dead_code)]
-
-use crate::common::{on_clock, test_config, TestServer};
+use super::{on_clock, test_config, TestServer};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tollgate::clock::Clock;

@@ -2,9 +2,7 @@
 //! `tollgate cluster status` shows the cluster, nodes with different rules
 //! refuse each other, and many clients on all nodes never over-admit.
 
-mod cluster_support;
-
-use cluster_support::*;
+use crate::cluster_support::*;
 use std::time::Duration;
 
 /// A transcript touching several rules (canary included), the three

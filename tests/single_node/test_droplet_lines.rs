@@ -2,15 +2,14 @@
 //! droplet model with line answers (`OK <accept> ls=<n> …`), pipelined
 //! transcripts, accrual on a manual clock, and `ERR` for bad arguments.
 
-mod common;
-mod droplet_support;
+use crate::util;
 
-use droplet_support::DropletTestServer;
 use tollgate::clock::Clock;
+use util::droplet::DropletTestServer;
 
 #[test]
 fn a_pipelined_transcript() {
-    let clock = common::manual_clock();
+    let clock = util::manual_clock();
     let server = DropletTestServer::start(clock.clone());
     let answers = server.line.converse(
         b"TAKE bucket=x ls=10 lm=100\n\
@@ -43,46 +42,40 @@ fn a_pipelined_transcript() {
 
 #[test]
 fn tokens_accrue_between_lines() {
-    let clock = common::manual_clock();
+    let clock = util::manual_clock();
     let server = DropletTestServer::start(clock.clone());
     let mut stream = server.line.connect();
     assert_eq!(
-        common::request(&mut stream, "TAKE bucket=t ls=4 count=4"),
+        util::request(&mut stream, "TAKE bucket=t ls=4 count=4"),
         "OK true ls=0"
     );
     assert_eq!(
-        common::request(&mut stream, "TAKE bucket=t ls=4"),
+        util::request(&mut stream, "TAKE bucket=t ls=4"),
         "OK false ls=-1"
     );
     clock.advance_ms(249);
     assert_eq!(
-        common::request(&mut stream, "TAKE bucket=t ls=4"),
+        util::request(&mut stream, "TAKE bucket=t ls=4"),
         "OK false ls=-1"
     );
     clock.advance_ms(1);
     assert_eq!(
-        common::request(&mut stream, "TAKE bucket=t ls=4"),
+        util::request(&mut stream, "TAKE bucket=t ls=4"),
         "OK true ls=0"
     );
     clock.advance_ms(1_000);
-    assert_eq!(
-        common::request(&mut stream, "QUERY bucket=t"),
-        "OK true ls=4"
-    );
+    assert_eq!(util::request(&mut stream, "QUERY bucket=t"), "OK true ls=4");
     // Full, it is forgotten at the next cleanup tick (a multiple of 60 s).
     let next_tick_ms = 60_000 - clock.now_ms() % 60_000;
     clock.advance_ms(next_tick_ms - 1);
-    assert_eq!(
-        common::request(&mut stream, "QUERY bucket=t"),
-        "OK true ls=4"
-    );
+    assert_eq!(util::request(&mut stream, "QUERY bucket=t"), "OK true ls=4");
     clock.advance_ms(1);
-    assert_eq!(common::request(&mut stream, "QUERY bucket=t"), "OK true");
+    assert_eq!(util::request(&mut stream, "QUERY bucket=t"), "OK true");
 }
 
 #[test]
 fn bad_arguments_get_err_and_close_the_connection() {
-    let server = DropletTestServer::start(common::manual_clock());
+    let server = DropletTestServer::start(util::manual_clock());
     let cases = [
         ("TAKE ls=1\nTAKE bucket=a\n", "ERR unknown \"TAKE needs bucket=<name>\"\n"),
         (

@@ -2,7 +2,7 @@
 //! files, `serve` on the embedded default announcing its address, `PORT`,
 //! and graceful shutdown on SIGTERM with in-flight requests answered.
 
-mod common;
+use crate::util;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -157,9 +157,9 @@ fn terminate(served: &mut Served) -> std::process::ExitStatus {
 #[test]
 fn serve_runs_the_embedded_default_and_shuts_down_gracefully() {
     let mut served = serve(&["--listen", "127.0.0.1:0", "--threads", "2"], &[]);
-    let mut stream = common::connect(served.addr);
+    let mut stream = util::connect(served.addr);
     assert_eq!(
-        common::request(&mut stream, "HIT method=GET path=/status"),
+        util::request(&mut stream, "HIT method=GET path=/status"),
         "OK true 999 60"
     );
 
@@ -174,7 +174,7 @@ fn serve_runs_the_embedded_default_and_shuts_down_gracefully() {
 #[test]
 fn shutdown_answers_requests_already_received() {
     let mut served = serve(&["--listen", "127.0.0.1:0", "--threads", "1"], &[]);
-    let mut stream = common::connect(served.addr);
+    let mut stream = util::connect(served.addr);
     let batch: String = (0..2000).map(|_| "HIT method=GET path=/status\n").collect();
     stream.write_all(batch.as_bytes()).unwrap();
     // Give the server the bytes, then stop it before we read anything.
@@ -207,9 +207,9 @@ fn port_environment_variable_sets_the_port() {
     };
     let served = serve(&[], &[("PORT", &port.to_string())]);
     assert_eq!(served.addr.port(), port);
-    let mut stream = common::connect(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let mut stream = util::connect(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
     assert_eq!(
-        common::request(&mut stream, "HIT method=GET path=/status"),
+        util::request(&mut stream, "HIT method=GET path=/status"),
         "OK true 999 60"
     );
 }

@@ -1,0 +1,14 @@
+//! Real multi-node clusters of `tollgate` processes on loopback: replication,
+//! failover, partitions (through fault-injection proxies), membership changes,
+//! rolling restarts, chaos, and the peer port's authentication
+//! (`cluster_support` starts and stops them; every wait is bounded).
+
+mod cluster_support;
+
+mod test_auth;
+mod test_basic;
+mod test_chaos;
+mod test_failover;
+mod test_membership;
+mod test_partition;
+mod test_rolling;
