@@ -94,11 +94,9 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     let bar = if progress && std::io::stdout().is_terminal() {
         let total = args.warmup + args.duration;
         let bar = ProgressBar::new((total * 10.0).ceil() as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {msg}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
+        if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {msg}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
         bar
     } else {
         ProgressBar::hidden()
@@ -106,6 +104,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
 
     let barrier = Barrier::new(args.threads);
     let results = std::thread::scope(|scope| {
+        #[allow(clippy::expect_used)] // without its threads the run cannot happen at all
         let handles: Vec<_> = (0..args.threads)
             .map(|t| {
                 let ids: Vec<usize> = (0..args.connections)

@@ -2,6 +2,9 @@
 //! soft open-files limit raised by the generator itself, a clear error when the hard limit is too
 //! low, and `--interval-json`, one line per second of the run.
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 mod tollgate_support;
 

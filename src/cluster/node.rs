@@ -587,7 +587,7 @@ impl ClusterNode {
                     }
                     let newer = views
                         .get(&shard.shard)
-                        .map_or(true, |known| known.term <= shard.term);
+                        .is_none_or(|known| known.term <= shard.term);
                     if newer {
                         views.insert(shard.shard, shard.clone());
                     }
@@ -687,12 +687,12 @@ impl ClusterNode {
         }
         let reports = self.last_reports.lock().clone();
         let recovering = |node: NodeId, shard: u32| {
-            reports.get(&node).map_or(true, |report| {
+            reports.get(&node).is_none_or(|report| {
                 report
                     .shards
                     .iter()
                     .find(|s| s.shard == shard)
-                    .map_or(true, |s| s.recovering)
+                    .is_none_or(|s| s.recovering)
             })
         };
         let mut best: Option<(usize, NodeId, Arc<ShardGroup>)> = None;
@@ -712,7 +712,7 @@ impl ClusterNode {
                 if theirs + 2 > mine || recovering(voter, group.shard) {
                     continue;
                 }
-                if best.as_ref().map_or(true, |(least, ..)| theirs < *least) {
+                if best.as_ref().is_none_or(|(least, ..)| theirs < *least) {
                     best = Some((theirs, voter, Arc::clone(&group)));
                 }
             }

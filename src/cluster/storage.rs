@@ -240,7 +240,7 @@ impl ShardStateMachine {
                 .is_err()
             {
                 let dropped = self.shared.dropped_at_cap.fetch_add(1, Ordering::Relaxed);
-                if dropped % 10_000 == 0 {
+                if dropped.is_multiple_of(10_000) {
                     tracing::warn!(
                         shard = self.shared.shard,
                         dropped = dropped + 1,

@@ -5,9 +5,6 @@
 //! single-threaded runtime and `SO_REUSEPORT` listener, the connection limit
 //! and graceful shutdown).
 
-// Serving code: input never panics the server (see docs/operations.md).
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
-
 pub mod connection;
 pub mod socket;
 pub mod thread_per_core;

@@ -3,9 +3,6 @@
 //! layout), or a cluster's replicated shards. A backend answers synchronously
 //! when it can and with a future when it must wait (network).
 
-// Serving code: input never panics the server (see docs/operations.md).
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
-
 pub mod memory;
 pub mod redis;
 

@@ -3,6 +3,9 @@
 //! rolling restarts, chaos, and the peer port's authentication
 //! (`cluster_support` starts and stops them; every wait is bounded).
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod cluster_support;
 
 mod test_auth;

@@ -3,6 +3,9 @@
 //! persistence of in-memory counters across restarts. Without `redis-server`
 //! these tests fail, unless `TOLLGATE_SKIP_REDIS=1` outside CI (`util::redis`).
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../util/mod.rs"]
 mod util;
 

@@ -4,6 +4,9 @@
 //! observability, droplet's two front ends, and the published Node clients.
 //! Every in-process server starts through `App`, as the binary does (`util`).
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../util/mod.rs"]
 mod util;
 

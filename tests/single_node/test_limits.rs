@@ -31,7 +31,7 @@ fn a_line_longer_than_the_limit_gets_an_error_and_close_after_earlier_answers() 
     });
     let mut stream = server.connect();
     let mut input = b"HIT op=a\n".to_vec();
-    input.extend(std::iter::repeat(b'x').take(100_000));
+    input.extend(std::iter::repeat_n(b'x', 100_000));
     // The server may close while we are still writing: that is the point.
     let _ = stream.write_all(&input);
     let mut answer = String::new();

@@ -224,7 +224,7 @@ impl WrittenStates {
     /// A full pass ended: drop what has expired; now and then, everything.
     fn pass_done(&mut self, now_ms: u64) {
         self.passes += 1;
-        if self.passes % FULL_REWRITE_PASSES == 0 {
+        if self.passes.is_multiple_of(FULL_REWRITE_PASSES) {
             self.forget();
         } else {
             self.by_key_hash
