@@ -10,6 +10,7 @@ pub mod check;
 pub mod config;
 pub mod droplet;
 pub mod engine;
+pub mod failover;
 pub mod fd_limit;
 pub mod plot;
 pub mod report;
@@ -30,7 +31,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 
-pub use config::{Args, Distribution, Protocol};
+pub use config::{Args, Distribution, Mode, Protocol};
 pub use report::{Latency, Report};
 
 use check::PeriodLimit;
