@@ -713,195 +713,258 @@ impl Schedule {
     }
 }
 
-/// Run one thread's share of the connections (global ids `ids`) to completion.
+/// Run one thread's share of the connections (global ids `ids`) to completion: connect them all,
+/// start together with the other threads (`barrier`), run, and count what is left unanswered.
 pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Result<ThreadResult> {
-    let plan = &shared.plan;
-    let open = plan.rate.is_some();
-    if open {
-        tighten_timer_slack();
-    }
-    let mut poll = Poll::new()?;
-    let mut events = Events::with_capacity(1024);
-    let mut conns: Vec<Conn> = ids
-        .iter()
-        .enumerate()
-        .map(|(local, &id)| Conn::new(id, local, plan))
-        .collect();
-    let hist = Histogram::new_with_bounds(1, LATENCY_NS_MAX, 3)?;
-    let mut ctx = Ctx {
-        shared,
-        hist,
-        counts: Counts::default(),
-        hits: Vec::new(),
-        warm_end_ns: u64::MAX,
-        meas_end_ns: u64::MAX,
-        sending: false,
-        budget_left: conns.iter().fold(0u64, |a, c| a.saturating_add(c.budget)),
-        started: false,
-        last_connect_error: None,
-        fatal: None,
-        closed: conns.len(),
-        answered: 0,
-        errors: 0,
-    };
-    let mut timer = Timer::new(poll.registry(), TIMER)?;
-
-    // Phase 1: connect everything (paced, bounded in time), then start together with the other
-    // threads.
-    let deadline = ctx.now() + plan.connect_timeout_ns;
-    let mut failure = None;
-    loop {
-        let now = ctx.now();
-        if conns.iter().all(|c| c.stage == Stage::Ready) {
-            break;
-        }
-        if let Some(why) = ctx.fatal.take() {
-            let up = conns.iter().filter(|c| c.stage == Stage::Ready).count();
-            failure = Some(anyhow!(
-                "cannot open a connection to {} ({up} of this thread's {} are up): {why}",
-                plan.addr,
-                conns.len()
-            ));
-            shared.abort.store(true, Ordering::Relaxed);
-            break;
-        }
-        if now >= deadline || shared.abort.load(Ordering::Relaxed) {
-            let up = conns.iter().filter(|c| c.stage == Stage::Ready).count();
-            let why = match &ctx.last_connect_error {
-                Some(e) => format!(" (last failure: {e})"),
-                None => String::new(),
-            };
-            failure = Some(anyhow!(
-                "only {up} of {} connections to {} were established within {:.1} s{why}",
-                conns.len(),
-                plan.addr,
-                plan.connect_timeout_ns as f64 / 1e9
-            ));
-            shared.abort.store(true, Ordering::Relaxed);
-            break;
-        }
-        let mut pending = conns
-            .iter()
-            .filter(|c| matches!(c.stage, Stage::Connecting | Stage::Upgrading))
-            .count();
-        for c in conns.iter_mut() {
-            if pending >= CONNECTS_PENDING_MAX {
-                break;
-            }
-            if c.sock.is_none() && c.retry_at_ns <= now {
-                c.connect(&mut ctx, poll.registry(), now);
-                if c.sock.is_some() {
-                    pending += 1;
-                }
-            }
-        }
-        let wait = (deadline - now).min(10_000_000);
-        poll.poll(&mut events, Some(Duration::from_nanos(wait)))?;
-        let now = ctx.now();
-        for ev in events.iter() {
-            if let Some(c) = conns.get_mut(ev.token().0) {
-                if c.stage != Stage::Ready {
-                    c.on_connect_event(&mut ctx, poll.registry(), now);
-                }
-            }
-        }
+    let mut thread = ThreadLoop::new(shared, ids)?;
+    let connected = thread.connect_all();
+    if connected.is_err() {
+        shared.abort.store(true, Ordering::Relaxed);
     }
     barrier.wait();
-    if let Some(e) = failure {
-        return Err(e);
-    }
+    connected?;
     if shared.abort.load(Ordering::Relaxed) {
         return Err(anyhow!("another thread could not connect"));
     }
+    let done_ns = thread.run()?;
+    Ok(thread.finish(done_ns))
+}
 
-    // Phase 2: the run.
-    let start_ns = ctx.now();
-    let _ =
-        shared
-            .started_ns
-            .compare_exchange(0, start_ns.max(1), Ordering::AcqRel, Ordering::Relaxed);
-    ctx.warm_end_ns = start_ns + plan.warmup_ns;
-    ctx.meas_end_ns = ctx.warm_end_ns + plan.duration_ns;
-    let drain_end_ns = ctx.meas_end_ns + plan.drain_ns;
-    ctx.started = true;
-    ctx.sending = true;
-    let mut schedule = plan.rate.map(|rate| Schedule {
-        start_ns,
-        ns_per_request: 1e9 / rate,
-        connections: plan.connections as u64,
-        cursor: 0,
-        round: 0,
-    });
-    let mut timer_armed_for = 0u64;
-    let mut done_ns = None;
-    let (mut published_answered, mut published_errors) = (0u64, 0u64);
-    if !open {
-        let now = ctx.now();
-        for c in conns.iter_mut() {
-            c.fill(&mut ctx, poll.registry(), now);
+/// One thread's event loop: its connections, its poll and what they record.
+struct ThreadLoop<'a> {
+    ctx: Ctx<'a>,
+    conns: Vec<Conn>,
+    poll: Poll,
+    events: Events,
+    /// Wakes the loop when the next open-loop request is due (where the timer is precise).
+    timer: Timer,
+    /// The due time the timer is armed for (0: none).
+    timer_armed_for: u64,
+    /// Open loop: which request is due next.
+    schedule: Option<Schedule>,
+    /// Answers and errors already added to the run's shared progress counters.
+    published: (u64, u64),
+}
+
+impl<'a> ThreadLoop<'a> {
+    fn new(shared: &'a RunShared, ids: &[usize]) -> Result<ThreadLoop<'a>> {
+        let plan = &shared.plan;
+        if plan.rate.is_some() {
+            tighten_timer_slack();
         }
-    }
-    loop {
-        let now = ctx.now();
-        if ctx.sending && now >= ctx.meas_end_ns {
-            ctx.sending = false;
-        }
-        // Open loop: hand every due request to its connection.
-        let mut next_due = u64::MAX;
-        if let Some(s) = schedule.as_mut() {
-            while ctx.sending && ctx.budget_left > 0 {
-                let due = s.due(&conns);
-                if due >= ctx.meas_end_ns {
-                    ctx.sending = false;
-                    break;
-                }
-                if due > now {
-                    next_due = due;
-                    break;
-                }
-                let c = &mut conns[s.cursor];
-                s.advance(ids.len());
-                if c.budget == 0 {
-                    continue;
-                }
-                c.budget -= 1;
-                ctx.budget_left -= 1;
-                c.queued.push_back(due);
-                c.fill(&mut ctx, poll.registry(), now);
-            }
-        }
-        // Finished? Nothing more to send and nothing outstanding, or out of drain time.
-        if !ctx.sending || ctx.budget_left == 0 {
-            let idle = conns
-                .iter()
-                .all(|c| c.inflight_reqs == 0 && c.queued.is_empty());
-            if idle {
-                done_ns = Some(now);
-                break;
-            }
-            if now >= drain_end_ns {
-                break;
-            }
-        }
-        // Reopen connections whose backoff expired.
-        let mut wake = if ctx.sending {
-            ctx.meas_end_ns
-        } else {
-            drain_end_ns
+        let poll = Poll::new()?;
+        let conns: Vec<Conn> = ids
+            .iter()
+            .enumerate()
+            .map(|(local, &id)| Conn::new(id, local, plan))
+            .collect();
+        let ctx = Ctx {
+            shared,
+            hist: Histogram::new_with_bounds(1, LATENCY_NS_MAX, 3)?,
+            counts: Counts::default(),
+            hits: Vec::new(),
+            warm_end_ns: u64::MAX,
+            meas_end_ns: u64::MAX,
+            sending: false,
+            budget_left: conns.iter().fold(0u64, |a, c| a.saturating_add(c.budget)),
+            started: false,
+            last_connect_error: None,
+            fatal: None,
+            closed: conns.len(),
+            answered: 0,
+            errors: 0,
         };
-        if ctx.closed > 0 {
-            for c in conns.iter_mut() {
-                if c.sock.is_none() {
-                    if c.retry_at_ns <= now {
-                        c.connect(&mut ctx, poll.registry(), now);
-                    } else {
-                        wake = wake.min(c.retry_at_ns);
+        let timer = Timer::new(poll.registry(), TIMER)?;
+        Ok(ThreadLoop {
+            ctx,
+            conns,
+            poll,
+            events: Events::with_capacity(1024),
+            timer,
+            timer_armed_for: 0,
+            schedule: None,
+            published: (0, 0),
+        })
+    }
+
+    /// Phase 1: connect everything, paced ([`CONNECTS_PENDING_MAX`] under way at once) and bounded
+    /// by `--connect-timeout-secs`.
+    fn connect_all(&mut self) -> Result<()> {
+        let plan = &self.ctx.shared.plan;
+        let deadline = self.ctx.now() + plan.connect_timeout_ns;
+        loop {
+            let now = self.ctx.now();
+            if self.conns.iter().all(|c| c.stage == Stage::Ready) {
+                return Ok(());
+            }
+            let up = || {
+                self.conns
+                    .iter()
+                    .filter(|c| c.stage == Stage::Ready)
+                    .count()
+            };
+            if let Some(why) = self.ctx.fatal.take() {
+                return Err(anyhow!(
+                    "cannot open a connection to {} ({} of this thread's {} are up): {why}",
+                    plan.addr,
+                    up(),
+                    self.conns.len()
+                ));
+            }
+            if now >= deadline || self.ctx.shared.abort.load(Ordering::Relaxed) {
+                let why = match &self.ctx.last_connect_error {
+                    Some(e) => format!(" (last failure: {e})"),
+                    None => String::new(),
+                };
+                return Err(anyhow!(
+                    "only {} of {} connections to {} were established within {:.1} s{why}",
+                    up(),
+                    self.conns.len(),
+                    plan.addr,
+                    plan.connect_timeout_ns as f64 / 1e9
+                ));
+            }
+            let mut pending = self
+                .conns
+                .iter()
+                .filter(|c| matches!(c.stage, Stage::Connecting | Stage::Upgrading))
+                .count();
+            for c in self.conns.iter_mut() {
+                if pending >= CONNECTS_PENDING_MAX {
+                    break;
+                }
+                if c.sock.is_none() && c.retry_at_ns <= now {
+                    c.connect(&mut self.ctx, self.poll.registry(), now);
+                    if c.sock.is_some() {
+                        pending += 1;
+                    }
+                }
+            }
+            let wait = (deadline - now).min(10_000_000);
+            self.poll
+                .poll(&mut self.events, Some(Duration::from_nanos(wait)))?;
+            let now = self.ctx.now();
+            for ev in self.events.iter() {
+                if let Some(c) = self.conns.get_mut(ev.token().0) {
+                    if c.stage != Stage::Ready {
+                        c.on_connect_event(&mut self.ctx, self.poll.registry(), now);
                     }
                 }
             }
         }
-        // Sleep until an event, the next due request, or the next phase change.
-        wake = wake.min(now + TICK_NS);
+    }
+
+    /// Phase 2: warmup, measured time and drain. Returns when every request was answered
+    /// (`Some(when)`) or at the end of the drain (`None`).
+    fn run(&mut self) -> Result<Option<u64>> {
+        let shared = self.ctx.shared;
+        let plan = &shared.plan;
+        let start_ns = self.ctx.now();
+        let _ = shared.started_ns.compare_exchange(
+            0,
+            start_ns.max(1),
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+        self.ctx.warm_end_ns = start_ns + plan.warmup_ns;
+        self.ctx.meas_end_ns = self.ctx.warm_end_ns + plan.duration_ns;
+        let drain_end_ns = self.ctx.meas_end_ns + plan.drain_ns;
+        self.ctx.started = true;
+        self.ctx.sending = true;
+        self.schedule = plan.rate.map(|rate| Schedule {
+            start_ns,
+            ns_per_request: 1e9 / rate,
+            connections: plan.connections as u64,
+            cursor: 0,
+            round: 0,
+        });
+        if self.schedule.is_none() {
+            let now = self.ctx.now();
+            for c in self.conns.iter_mut() {
+                c.fill(&mut self.ctx, self.poll.registry(), now);
+            }
+        }
+        loop {
+            let now = self.ctx.now();
+            if self.ctx.sending && now >= self.ctx.meas_end_ns {
+                self.ctx.sending = false;
+            }
+            let next_due = self.hand_out_due_requests(now);
+            // Finished? Nothing more to send and nothing outstanding, or out of drain time.
+            if !self.ctx.sending || self.ctx.budget_left == 0 {
+                let idle = self
+                    .conns
+                    .iter()
+                    .all(|c| c.inflight_reqs == 0 && c.queued.is_empty());
+                if idle {
+                    return Ok(Some(now));
+                }
+                if now >= drain_end_ns {
+                    return Ok(None);
+                }
+            }
+            let phase_end = if self.ctx.sending {
+                self.ctx.meas_end_ns
+            } else {
+                drain_end_ns
+            };
+            let wake = self.reconnect_due(now, phase_end);
+            self.wait(now, wake, next_due)?;
+            self.handle_events();
+            self.publish_progress();
+        }
+    }
+
+    /// Open loop: hands every request due by `now` to its connection. Returns when the next one is
+    /// due (`u64::MAX`: none, or closed loop).
+    fn hand_out_due_requests(&mut self, now: u64) -> u64 {
+        let Some(s) = self.schedule.as_mut() else {
+            return u64::MAX;
+        };
+        let connections = self.conns.len();
+        while self.ctx.sending && self.ctx.budget_left > 0 {
+            let due = s.due(&self.conns);
+            if due >= self.ctx.meas_end_ns {
+                self.ctx.sending = false;
+                break;
+            }
+            if due > now {
+                return due;
+            }
+            let c = &mut self.conns[s.cursor];
+            s.advance(connections);
+            if c.budget == 0 {
+                continue;
+            }
+            c.budget -= 1;
+            self.ctx.budget_left -= 1;
+            c.queued.push_back(due);
+            c.fill(&mut self.ctx, self.poll.registry(), now);
+        }
+        u64::MAX
+    }
+
+    /// Reopens connections whose backoff expired. Returns when the loop must look again: `wake`,
+    /// or earlier when a backoff ends before it.
+    fn reconnect_due(&mut self, now: u64, mut wake: u64) -> u64 {
+        if self.ctx.closed == 0 {
+            return wake;
+        }
+        for c in self.conns.iter_mut() {
+            if c.sock.is_none() {
+                if c.retry_at_ns <= now {
+                    c.connect(&mut self.ctx, self.poll.registry(), now);
+                } else {
+                    wake = wake.min(c.retry_at_ns);
+                }
+            }
+        }
+        wake
+    }
+
+    /// Sleeps until an event, the next due request (`next_due`), or `wake`, at most [`TICK_NS`].
+    fn wait(&mut self, now: u64, wake: u64, next_due: u64) -> Result<()> {
+        let wake = wake.min(now + TICK_NS);
         let mut timeout = Duration::from_nanos(wake.saturating_sub(now));
         if next_due != u64::MAX {
             let until = next_due.saturating_sub(now);
@@ -911,88 +974,98 @@ pub fn run_thread(shared: &RunShared, ids: &[usize], barrier: &Barrier) -> Resul
                 } else {
                     until
                 }));
-            } else if timer_armed_for != next_due {
-                timer.arm(until)?;
-                timer_armed_for = next_due;
+            } else if self.timer_armed_for != next_due {
+                self.timer.arm(until)?;
+                self.timer_armed_for = next_due;
             }
         }
-        poll.poll(&mut events, Some(timeout))?;
-        for ev in events.iter() {
+        self.poll.poll(&mut self.events, Some(timeout))?;
+        Ok(())
+    }
+
+    /// Lets each connection act on what the poll reported: finish connecting, read answers, write.
+    fn handle_events(&mut self) {
+        for ev in self.events.iter() {
             if ev.token() == TIMER {
-                timer.ack();
-                timer_armed_for = 0;
+                self.timer.ack();
+                self.timer_armed_for = 0;
                 continue;
             }
-            let Some(c) = conns.get_mut(ev.token().0) else {
+            let Some(c) = self.conns.get_mut(ev.token().0) else {
                 continue;
             };
             if c.sock.is_none() {
                 continue;
             }
+            let registry = self.poll.registry();
             if c.stage != Stage::Ready {
-                let now = ctx.now();
-                c.on_connect_event(&mut ctx, poll.registry(), now);
+                let now = self.ctx.now();
+                c.on_connect_event(&mut self.ctx, registry, now);
                 if c.stage == Stage::Ready {
-                    c.fill(&mut ctx, poll.registry(), now);
+                    c.fill(&mut self.ctx, registry, now);
                 }
                 continue;
             }
             if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                 c.on_readable(
-                    &mut ctx,
-                    poll.registry(),
+                    &mut self.ctx,
+                    registry,
                     ev.is_read_closed() || ev.is_error(),
                 );
             }
             if ev.is_writable() && c.stage == Stage::Ready {
-                let now = ctx.now();
-                c.flush(&mut ctx, poll.registry(), now);
-                c.fill(&mut ctx, poll.registry(), now);
+                let now = self.ctx.now();
+                c.flush(&mut self.ctx, registry, now);
+                c.fill(&mut self.ctx, registry, now);
             }
-        }
-        if ctx.answered != published_answered {
-            shared
-                .answered
-                .fetch_add(ctx.answered - published_answered, Ordering::Relaxed);
-            published_answered = ctx.answered;
-        }
-        if ctx.errors != published_errors {
-            shared
-                .errors
-                .fetch_add(ctx.errors - published_errors, Ordering::Relaxed);
-            published_errors = ctx.errors;
         }
     }
 
-    // Whatever is still outstanding now is lost.
-    for c in conns.iter_mut() {
-        for p in c.inflight.drain(..) {
-            if !p.control && ctx.in_window(p.due_ns) {
-                ctx.counts.unanswered += 1;
+    /// Adds this thread's new answers and errors to the run's progress counters.
+    fn publish_progress(&mut self) {
+        let shared = self.ctx.shared;
+        let (answered, errors) = self.published;
+        if self.ctx.answered != answered {
+            shared
+                .answered
+                .fetch_add(self.ctx.answered - answered, Ordering::Relaxed);
+        }
+        if self.ctx.errors != errors {
+            shared
+                .errors
+                .fetch_add(self.ctx.errors - errors, Ordering::Relaxed);
+        }
+        self.published = (self.ctx.answered, self.ctx.errors);
+    }
+
+    /// Counts what is still outstanding as lost, publishes the last progress, and hands over the
+    /// thread's results; `done_ns` is when the last answer came, if every request got one.
+    fn finish(mut self, done_ns: Option<u64>) -> ThreadResult {
+        for c in self.conns.iter_mut() {
+            for p in c.inflight.drain(..) {
+                if !p.control && self.ctx.in_window(p.due_ns) {
+                    self.ctx.counts.unanswered += 1;
+                }
+            }
+            for due in c.queued.drain(..) {
+                if self.ctx.in_window(due) {
+                    self.ctx.counts.unanswered += 1;
+                }
             }
         }
-        for due in c.queued.drain(..) {
-            if ctx.in_window(due) {
-                ctx.counts.unanswered += 1;
-            }
+        self.publish_progress();
+        let ctx = self.ctx;
+        let measure_end_ns = match done_ns {
+            Some(d) => d.min(ctx.meas_end_ns),
+            None => ctx.meas_end_ns,
+        }
+        .max(ctx.warm_end_ns);
+        ThreadResult {
+            hist: ctx.hist,
+            counts: ctx.counts,
+            hits: ctx.hits,
+            measure_start_ns: ctx.warm_end_ns,
+            measure_end_ns,
         }
     }
-    shared
-        .answered
-        .fetch_add(ctx.answered - published_answered, Ordering::Relaxed);
-    shared
-        .errors
-        .fetch_add(ctx.errors - published_errors, Ordering::Relaxed);
-    let measure_end_ns = match done_ns {
-        Some(d) => d.min(ctx.meas_end_ns),
-        None => ctx.meas_end_ns,
-    }
-    .max(ctx.warm_end_ns);
-    Ok(ThreadResult {
-        hist: ctx.hist,
-        counts: ctx.counts,
-        hits: ctx.hits,
-        measure_start_ns: ctx.warm_end_ns,
-        measure_end_ns,
-    })
 }
