@@ -129,7 +129,7 @@ impl CurrentRules for FixedRules {
 /// Measures persistence: the time of one tick writing N counters, and of
 /// loading them at start. `TOLLGATE_PERSIST_COUNTERS` sets N (default
 /// 100 000). Run with
-/// `cargo test --release --test redis_persist -- --ignored --nocapture`.
+/// `cargo test --release --test redis persistence_cost -- --ignored --nocapture`.
 #[test]
 #[ignore = "a measurement, not a check; run by hand (docs/redis.md)"]
 fn persistence_cost() {
