@@ -10,6 +10,8 @@ pub mod config;
 
 pub use config::{RuleSource, ServeConfig, SweepConfig, DIVVY_PORT};
 
+use crate::droplet::DropletConfig;
+
 use crate::clock::{Clock, SystemClock};
 use crate::cluster::{Cluster, ClusterError};
 use crate::droplet::{Buckets, BucketsConfig, DropletServer, DropletServerConfig, LineCommands};
@@ -76,8 +78,115 @@ pub enum AppError {
     },
 }
 
-fn sweeper_failed(what: &'static str) -> impl FnOnce(std::io::Error) -> AppError {
-    move |source| AppError::Sweeper { what, source }
+/// Cluster mode keeps its counters in memory and replicates them itself.
+fn check_modes(config: &ServeConfig) -> Result<(), AppError> {
+    if config.cluster.cluster_file.is_some() {
+        if config.redis.persist_redis.is_some() {
+            return Err(AppError::PersistenceInCluster);
+        }
+        if config.redis.backend != BackendKind::Memory {
+            return Err(AppError::RedisBackendInCluster);
+        }
+    }
+    Ok(())
+}
+
+/// The rules to serve, and the file to read again on reload (if any).
+fn load_rules(source: RuleSource) -> Result<(RuleSet, Option<PathBuf>), AppError> {
+    match source {
+        RuleSource::Embedded => Ok((RuleSet::embedded_default(), None)),
+        RuleSource::Loaded(rules) => Ok((rules, None)),
+        RuleSource::File(path) => match RuleSet::load_file(&path) {
+            Ok(rules) => Ok((rules, Some(path))),
+            Err(source) => Err(AppError::Rules { path, source }),
+        },
+    }
+}
+
+/// The counter store and droplet's buckets, each with its sweeper running.
+fn start_stores(
+    store: &MemoryStoreConfig,
+    stripes: usize,
+    sweep: &SweepConfig,
+    droplet: &DropletConfig,
+    clock: &Arc<dyn Clock>,
+) -> Result<(Arc<MemoryStore>, Arc<Buckets>), AppError> {
+    let tick = Duration::from_millis(sweep.interval_ms.max(1));
+    let entries_per_tick = sweep.entries_per_tick.max(1);
+    let sweeper_failed = |what| move |source| AppError::Sweeper { what, source };
+    let counters = Arc::new(MemoryStore::new(MemoryStoreConfig {
+        stripes,
+        live_keys_max: store.live_keys_max,
+    }));
+    counters
+        .spawn_sweeper(Arc::clone(clock), tick, entries_per_tick)
+        .map_err(sweeper_failed("sweeper"))?;
+    let buckets = Arc::new(Buckets::new(BucketsConfig {
+        stripes,
+        buckets_max: droplet.buckets_max,
+        cleanup_interval_ms: droplet.cleanup_interval_ms,
+    }));
+    buckets
+        .spawn_sweeper(Arc::clone(clock), tick, entries_per_tick)
+        .map_err(sweeper_failed("bucket sweeper"))?;
+    Ok((counters, buckets))
+}
+
+/// Where and how the TCP endpoints serve.
+struct Endpoints {
+    listen: SocketAddr,
+    droplet_listen: Option<SocketAddr>,
+    threads: usize,
+    limits: Limits,
+    drain_timeout_ms: u64,
+    message_bytes_max: usize,
+}
+
+impl Endpoints {
+    /// Binds the line protocol and, when asked for, droplet's endpoint.
+    fn bind(
+        self,
+        engine: &Arc<Engine>,
+        buckets: &Arc<Buckets>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<(Server, Option<DropletServer>), AppError> {
+        let limits = Limits {
+            line_bytes_max: self.limits.line_bytes_max.max(1),
+            connections_max: self.limits.connections_max.max(1),
+            pipeline_max: self.limits.pipeline_max.max(1),
+            ..self.limits
+        };
+        let line = crate::server::bind(
+            ServerConfig {
+                listen: self.listen,
+                threads: self.threads,
+                limits,
+                drain_timeout_ms: self.drain_timeout_ms,
+            },
+            Arc::clone(engine),
+        )
+        .map_err(|source| AppError::Listen {
+            addr: self.listen,
+            source,
+        })?;
+        let Some(addr) = self.droplet_listen else {
+            return Ok((line, None));
+        };
+        let droplet = crate::droplet::server::bind(
+            DropletServerConfig {
+                listen: addr,
+                threads: self.threads,
+                message_bytes_max: self.message_bytes_max,
+                connections_max: limits.connections_max,
+                drain_timeout_ms: self.drain_timeout_ms,
+            },
+            Arc::clone(buckets),
+            clock,
+            Arc::clone(&engine.metrics),
+        )
+        .map_err(|source| AppError::DropletListen { addr, source })?;
+        Ok((line, Some(droplet)))
+    }
 }
 
 /// What a caller plugs into a server besides its configuration.
@@ -133,109 +242,70 @@ impl App {
     /// Builds the server `config` describes, with `hooks` plugged in. Loads
     /// persisted counters and joins the cluster before returning.
     pub fn build_with(config: ServeConfig, hooks: Hooks) -> Result<App, AppError> {
-        let ServeConfig {
-            rules: rule_source,
-            listen,
-            threads,
-            limits,
-            drain_timeout_ms,
-            store: store_config,
-            sweep,
-            unavailable_policy,
-            debug_rules,
-            pid_file,
-            droplet,
-            observability,
-            redis,
-            cluster: cluster_config,
-        } = config;
-        if cluster_config.cluster_file.is_some() {
-            if redis.persist_redis.is_some() {
-                return Err(AppError::PersistenceInCluster);
-            }
-            if redis.backend != BackendKind::Memory {
-                return Err(AppError::RedisBackendInCluster);
-            }
-        }
-        let (rules, rule_file) = match rule_source {
-            RuleSource::Embedded => (RuleSet::embedded_default(), None),
-            RuleSource::Loaded(rules) => (rules, None),
-            RuleSource::File(path) => match RuleSet::load_file(&path) {
-                Ok(rules) => (rules, Some(path)),
-                Err(source) => return Err(AppError::Rules { path, source }),
-            },
-        };
-        let threads = threads
+        check_modes(&config)?;
+        let (rules, rule_file) = load_rules(config.rules)?;
+        let threads = config
+            .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
             .max(1);
-        let stripes = store_config.stripes.max(STRIPES_PER_THREAD_MIN * threads);
         let clock = hooks.clock.unwrap_or_else(|| Arc::new(SystemClock));
-        let sweep_interval = Duration::from_millis(sweep.interval_ms.max(1));
-        let sweep_entries = sweep.entries_per_tick.max(1);
-        let store = Arc::new(MemoryStore::new(MemoryStoreConfig {
+        let stripes = config.store.stripes.max(STRIPES_PER_THREAD_MIN * threads);
+        let (store, buckets) = start_stores(
+            &config.store,
             stripes,
-            live_keys_max: store_config.live_keys_max,
-        }));
-        store
-            .spawn_sweeper(Arc::clone(&clock), sweep_interval, sweep_entries)
-            .map_err(sweeper_failed("sweeper"))?;
-        let buckets = Arc::new(Buckets::new(BucketsConfig {
-            stripes,
-            buckets_max: droplet.buckets_max,
-            cleanup_interval_ms: droplet.cleanup_interval_ms,
-        }));
-        buckets
-            .spawn_sweeper(Arc::clone(&clock), sweep_interval, sweep_entries)
-            .map_err(sweeper_failed("bucket sweeper"))?;
+            &config.sweep,
+            &config.droplet,
+            &clock,
+        )?;
         let metrics = Metrics::new();
-        let readiness = Arc::new(Readiness::new(Arc::clone(&metrics)));
-        let persist_config = redis.persist_config()?;
+        let persist_config = config.redis.persist_config()?;
         let cluster = crate::cluster::start(
-            &cluster_config,
+            &config.cluster,
             &rules,
             Arc::clone(&store),
             Arc::clone(&clock),
         )
         .map_err(AppError::Cluster)?;
-        let backend: Arc<dyn Backend> = match (&cluster, redis.backend) {
+        let backend: Arc<dyn Backend> = match (&cluster, config.redis.backend) {
             (Some(cluster), _) => cluster.backend(),
             (None, BackendKind::Memory) => Arc::new(MemoryBackend {
                 store: Arc::clone(&store),
             }),
-            (None, BackendKind::Redis) => {
-                Arc::new(RedisBackend::start(&redis, &rules, Arc::clone(&metrics))?)
-            }
+            (None, BackendKind::Redis) => Arc::new(RedisBackend::start(
+                &config.redis,
+                &rules,
+                Arc::clone(&metrics),
+            )?),
         };
-        let listen = listen
-            .or(cluster.as_ref().map(Cluster::client_addr))
-            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], DIVVY_PORT)));
         let backend_name = match &cluster {
             Some(cluster) => cluster.describe(),
             None => backend.name().to_string(),
         };
-        let mut engine = Engine::new(
-            rules,
-            backend,
-            Arc::clone(&clock),
-            metrics,
-            unavailable_policy,
-        )
-        .with_debug_rules(debug_rules);
-        for extension in hooks.extensions {
-            engine = engine.with_extension(extension);
-        }
-        if let Some(cluster) = &cluster {
-            engine = engine.with_extension(cluster.topology_command());
-        }
-        engine = engine.with_extension(Arc::new(LineCommands::new(Arc::clone(&buckets))));
+        // Extensions of the caller first (a test may stand in for a built-in
+        // command), then the cluster's TOPOLOGY, then droplet's TAKE and QUERY.
+        let mut extensions = hooks.extensions;
+        extensions.extend(cluster.as_ref().map(Cluster::topology_command));
+        extensions.push(Arc::new(LineCommands::new(Arc::clone(&buckets))));
+        let engine = extensions.into_iter().fold(
+            Engine::new(
+                rules,
+                backend,
+                Arc::clone(&clock),
+                metrics,
+                config.unavailable_policy,
+            )
+            .with_debug_rules(config.debug_rules),
+            Engine::with_extension,
+        );
         let engine = Arc::new(engine);
         // Loads the persisted counters before serving.
         let persistence = match persist_config {
             Some(persist) => {
                 let rules: Arc<dyn CurrentRules> = engine.clone();
+                let store = Arc::clone(&store);
                 Some(Persistence::start(
                     persist,
-                    Arc::clone(&store),
+                    store,
                     rules,
                     Arc::clone(&clock),
                 )?)
@@ -243,51 +313,26 @@ impl App {
             None => None,
         };
         let observability = Observability::start(
-            &observability,
+            &config.observability,
             Observed {
                 engine: Arc::clone(&engine),
                 store: Some(Arc::clone(&store)),
                 buckets: Some(Arc::clone(&buckets)),
-                readiness,
+                readiness: Arc::new(Readiness::new(Arc::clone(&engine.metrics))),
             },
         )?;
-        let limits = Limits {
-            line_bytes_max: limits.line_bytes_max.max(1),
-            connections_max: limits.connections_max.max(1),
-            pipeline_max: limits.pipeline_max.max(1),
-            ..limits
+        let endpoints = Endpoints {
+            listen: config
+                .listen
+                .or(cluster.as_ref().map(Cluster::client_addr))
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], DIVVY_PORT))),
+            droplet_listen: config.droplet.listen,
+            threads,
+            limits: config.limits,
+            drain_timeout_ms: config.drain_timeout_ms,
+            message_bytes_max: config.droplet.message_bytes_max,
         };
-        let line = crate::server::bind(
-            ServerConfig {
-                listen,
-                threads,
-                limits,
-                drain_timeout_ms,
-            },
-            Arc::clone(&engine),
-        )
-        .map_err(|source| AppError::Listen {
-            addr: listen,
-            source,
-        })?;
-        let droplet = match droplet.listen {
-            Some(addr) => Some(
-                crate::droplet::server::bind(
-                    DropletServerConfig {
-                        listen: addr,
-                        threads,
-                        message_bytes_max: droplet.message_bytes_max,
-                        connections_max: limits.connections_max,
-                        drain_timeout_ms,
-                    },
-                    Arc::clone(&buckets),
-                    clock,
-                    Arc::clone(&engine.metrics),
-                )
-                .map_err(|source| AppError::DropletListen { addr, source })?,
-            ),
-            None => None,
-        };
+        let (line, droplet) = endpoints.bind(&engine, &buckets, clock)?;
         Ok(App {
             parts: Parts {
                 engine,
@@ -298,7 +343,7 @@ impl App {
                 backend_name,
                 persistence,
                 observability: Some(observability),
-                pid_file,
+                pid_file: config.pid_file,
                 cluster,
             },
             line,
