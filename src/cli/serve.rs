@@ -282,10 +282,12 @@ pub fn init_logging(format: LogFormat) {
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_logging(args.log_format);
     let config = args.into_config()?;
+    // Until the server is built (a cluster join may wait for peers), a signal
+    // still terminates the process at once.
+    let app = App::build(config)?;
     // Installed before anything is announced, so that no signal can arrive
     // while its default action (termination) still applies.
     let mut signals = Signals::install()?;
-    let app = App::build(config)?;
     app.run_until(announce, || signals.wait())?;
     Ok(())
 }
