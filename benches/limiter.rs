@@ -1,6 +1,9 @@
 //! Measures one pure fixed-window step (`fixed_window_hit`): opening a
 //! window, counting inside it, and denying at the limit.
 
+// A benchmark stops at a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use tollgate::limiter::{fixed_window_hit, CounterState, WindowQuota};
 

@@ -2,6 +2,9 @@
 //! 1,000 rules (exact values, globs and `*`), for a request matched by the
 //! last specific rule and one that falls through to the default rule.
 
+// A benchmark stops at a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use tollgate::protocol::parse_line;
 use tollgate::rules::RuleSet;

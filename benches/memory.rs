@@ -4,6 +4,9 @@
 //! each) and reports the growth of the process's resident set per counter,
 //! and that growth minus the key bytes. Run with `cargo bench --bench memory`.
 
+// A benchmark stops at a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use tollgate::limiter::{fixed_window_hit, WindowQuota};
 use tollgate::store::{MemoryStore, MemoryStoreConfig};

@@ -2,6 +2,7 @@
 # Benchmarks one node against a three-node cluster (strict, then fast) on
 # this machine, with the same load, in one run, and prints Markdown tables.
 #
+#   cargo build --release --workspace
 #   cluster/bench.sh            # results and JSON files in $OUT_DIR
 #
 # 1. Closed loop (maximum throughput): one node, then three nodes strict,
@@ -14,9 +15,10 @@
 #    cluster's maximum from step 1 (so strict runs at a third of its own
 #    maximum, and fast and one node run at the same offered load).
 # 3. Failover under load (strict): while the open-loop load of step 2 runs,
-#    the node leading the most shards is SIGKILLed; a probe hitting one
-#    actor per shard through a surviving node every few milliseconds
-#    measures the time from the kill until every shard answers again.
+#    the node leading the most shards is SIGKILLed; a probe
+#    (`tollgate-loadtest failover-probe`) hitting every shard through a
+#    surviving node, round after round, measures the time from the kill
+#    until every shard answers again.
 #    FAILOVERS rounds, the killed node restarted between them.
 # Settings: LOADTEST (binary), TOLLGATE, CONNECTIONS (48), PIPELINE (16),
 # DURATION (10 s), WARMUP (2 s), ACTORS (100000), BASE_PORT (28321, below
@@ -24,8 +26,11 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-LOADTEST=${LOADTEST:-/work/target-loadtest/release/tollgate-loadtest}
+LOADTEST=${LOADTEST:-$ROOT/target/release/tollgate-loadtest}
 TOLLGATE=${TOLLGATE:-$ROOT/target/release/tollgate}
+for binary in "$LOADTEST" "$TOLLGATE"; do
+  [[ -x $binary ]] || { echo "bench.sh: $binary is missing (cargo build --release --workspace, or set LOADTEST and TOLLGATE)" >&2; exit 1; }
+done
 CONNECTIONS=${CONNECTIONS:-48}
 PIPELINE=${PIPELINE:-16}
 DURATION=${DURATION:-10}
@@ -150,8 +155,8 @@ PY
     fi
   done
   sleep "$((WARMUP + 2))"
-  python3 "$ROOT/cluster/failover_probe.py" --node "127.0.0.1:$((BASE_PORT + survivor - 1))" \
-    --pid "$(cat "$RUN_DIR/node$victim.pid")" --shards "$SHARDS" --timeout 10 \
+  "$LOADTEST" failover-probe --node "127.0.0.1:$((BASE_PORT + survivor - 1))" \
+    --pid "$(cat "$RUN_DIR/node$victim.pid")" --shards "$SHARDS" --timeout-secs 10 \
     > "$OUT_DIR/failover-$round.txt"
   echo "round $round: killed node $victim: $(cat "$OUT_DIR/failover-$round.txt")" >&2
   wait || true

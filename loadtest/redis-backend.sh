@@ -12,7 +12,8 @@
 # Environment (all optional):
 #   DURATION=10  WARMUP=0  ROUNDS=3  THREADS=1 (load generator)  CONNECTIONS=64  ACTORS=100000
 #   PIPELINES="1 16"  TOLLGATE_THREADS=2
-#   TOLLGATE_BIN (default target/release/tollgate)  LOADTEST_BIN (required: the tollgate-loadtest binary)
+#   TOLLGATE_BIN (default target/release/tollgate)  LOADTEST_BIN (default target/release/tollgate-loadtest;
+#   both are built by `cargo build --release --workspace`)
 #   OUT=<dir> (default: a new /tmp/tollgate-redis-bench.* dir)
 set -euo pipefail
 
@@ -26,7 +27,7 @@ PIPELINES=${PIPELINES:-1 16}
 TOLLGATE_THREADS=${TOLLGATE_THREADS:-2}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TOLLGATE=${TOLLGATE_BIN:-$ROOT/target/release/tollgate}
-LOADTEST=${LOADTEST_BIN:?set LOADTEST_BIN to the tollgate-loadtest binary}
+LOADTEST=${LOADTEST_BIN:-$ROOT/target/release/tollgate-loadtest}
 OUT=${OUT:-$(mktemp -d /tmp/tollgate-redis-bench.XXXXXX)}
 mkdir -p "$OUT"
 for b in "$TOLLGATE" "$LOADTEST"; do

@@ -3,14 +3,11 @@
 //! counted, and a [`Reply`] comes out. Connections call [`Engine::execute`];
 //! nothing here touches a socket.
 
-// Serving code: input never panics the server (see docs/operations.md).
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
-
 use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
 use crate::protocol::{encode_err, encode_ok, parse_line, ErrorCode, Pairs, Verb};
-use crate::rules::{MatchPolicy, Quota, RuleSet};
+use crate::rules::{CurrentRules, MatchPolicy, Quota, RuleSet};
 use crate::store::{
     Backend, BackendError, BatchDecided, CounterOp, Decided, Decisions, OpBatch, SlotAnswers,
 };
@@ -23,7 +20,7 @@ use std::time::Instant;
 
 /// What a hit gets when its counter cannot be decided (backend down, live-key
 /// cap reached).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum UnavailablePolicy {
     /// `ERR unknown "<reason>"`, as divvy answers when Redis fails.
     #[default]
@@ -32,6 +29,12 @@ pub enum UnavailablePolicy {
     Allow,
     /// Fail closed: `OK false 0 -1`.
     Deny,
+}
+
+impl CurrentRules for Engine {
+    fn current(&self) -> Arc<RuleSet> {
+        self.rule_set()
+    }
 }
 
 /// One response line.
@@ -114,7 +117,7 @@ pub trait CommandExtension: Send + Sync + 'static {
 
 /// Rules plus the per-label metric cells of each rule, swapped as one.
 pub struct LoadedRules {
-    pub set: RuleSet,
+    pub set: Arc<RuleSet>,
     label_counters: Vec<Arc<LabelCounters>>,
 }
 
@@ -173,9 +176,15 @@ impl Engine {
             metrics,
             unavailable_policy,
             extensions: Vec::new(),
-            debug_rules: std::env::var("DEBUG")
-                .is_ok_and(|v| v.split(',').any(|s| s.trim() == "divvy")),
+            debug_rules: false,
         }
+    }
+
+    /// Logs each evaluated rule's comment at debug level (divvy's
+    /// `DEBUG=divvy`; the binary reads the variable).
+    pub fn with_debug_rules(mut self, debug_rules: bool) -> Engine {
+        self.debug_rules = debug_rules;
+        self
     }
 
     /// Adds a handler for extension commands (`TAKE`, `QUERY`, `TOPOLOGY`).
@@ -191,7 +200,7 @@ impl Engine {
             .map(|r| metrics.label_counters(r.label.as_deref().unwrap_or("")))
             .collect();
         LoadedRules {
-            set,
+            set: Arc::new(set),
             label_counters,
         }
     }
@@ -204,6 +213,11 @@ impl Engine {
 
     pub fn rules(&self) -> Arc<LoadedRules> {
         self.rules.load_full()
+    }
+
+    /// The rule set being served, without its metric cells.
+    pub fn rule_set(&self) -> Arc<RuleSet> {
+        Arc::clone(&self.rules.load().set)
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {

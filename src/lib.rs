@@ -8,6 +8,7 @@
 //! [`server`] (sockets, threads, shutdown). Binaries are thin wrappers.
 
 pub mod app;
+pub mod cli;
 pub mod client;
 pub mod clock;
 pub mod cluster;
@@ -19,4 +20,5 @@ pub mod observability;
 pub mod protocol;
 pub mod rules;
 pub mod server;
+pub mod stable_hash;
 pub mod store;

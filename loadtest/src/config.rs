@@ -7,10 +7,11 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 
 use crate::droplet::BucketTemplate;
+use crate::failover::ProbeArgs;
 
 /// The template used when `--template` is not given: it matches the per-IP cookie rule of divvy's
 /// example configuration (3 hits per hour per `ip`), which Tollgate embeds as its default rules.
@@ -30,6 +31,14 @@ pub const ACTORS_MAX: u64 = 20_000_000;
 /// Upper bound on `--pipeline` and on `--connections`.
 pub const PIPELINE_MAX: usize = 65_536;
 pub const CONNECTIONS_MAX: usize = 100_000;
+
+/// Measurements other than a load run.
+#[derive(Subcommand, Clone, Debug)]
+pub enum Mode {
+    /// SIGKILL a cluster node and measure, through a surviving node, until every shard answers
+    /// again; prints `failover_ms=N errors=N slowest_round_ms=N` (cluster/bench.sh reads it).
+    FailoverProbe(ProbeArgs),
+}
 
 /// What to speak to the target.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -97,8 +106,19 @@ pub enum Distribution {
 ///
 /// Exit status: 0 on success, 1 on a setup or I/O failure, 3 when `--check` found a violation.
 #[derive(Parser, Clone, Debug, Serialize)]
-#[command(name = "tollgate-loadtest", version, about, long_about)]
+#[command(
+    name = "tollgate-loadtest",
+    version,
+    about,
+    long_about,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Args {
+    /// Instead of a load run, another measurement.
+    #[command(subcommand)]
+    #[serde(skip)]
+    pub mode: Option<Mode>,
+
     /// Server address, HOST:PORT.
     #[arg(long, default_value = "127.0.0.1:8321")]
     pub target: String,

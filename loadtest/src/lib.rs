@@ -9,7 +9,8 @@
 pub mod check;
 pub mod config;
 pub mod droplet;
-pub mod engine;
+pub mod event_loop;
+pub mod failover;
 pub mod fd_limit;
 pub mod plot;
 pub mod report;
@@ -30,11 +31,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 
-pub use config::{Args, Distribution, Protocol};
+pub use config::{Args, Distribution, Mode, Protocol};
 pub use report::{Latency, Report};
 
 use check::PeriodLimit;
-use engine::{Counts, Plan, RunShared};
+use event_loop::{Counts, Plan, RunShared};
 use websocket::{handshake_key, handshake_request, parse_handshake, Handshake};
 use wire::{resp_elem, Elem, RespMode};
 use workload::{script_load_command, Picker, RequestTable};
@@ -94,11 +95,9 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     let bar = if progress && std::io::stdout().is_terminal() {
         let total = args.warmup + args.duration;
         let bar = ProgressBar::new((total * 10.0).ceil() as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {msg}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
+        if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {msg}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
         bar
     } else {
         ProgressBar::hidden()
@@ -106,6 +105,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
 
     let barrier = Barrier::new(args.threads);
     let results = std::thread::scope(|scope| {
+        #[allow(clippy::expect_used)] // without its threads the run cannot happen at all
         let handles: Vec<_> = (0..args.threads)
             .map(|t| {
                 let ids: Vec<usize> = (0..args.connections)
@@ -115,7 +115,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
                 let barrier = &barrier;
                 std::thread::Builder::new()
                     .name(format!("loadtest-{t}"))
-                    .spawn_scoped(scope, move || engine::run_thread(shared, &ids, barrier))
+                    .spawn_scoped(scope, move || event_loop::run_thread(shared, &ids, barrier))
                     .expect("spawn a load thread")
             })
             .collect();
@@ -161,7 +161,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     bar.finish_and_clear();
     let results = results?;
 
-    let mut hist = Histogram::<u64>::new_with_bounds(1, engine::LATENCY_NS_MAX, 3)?;
+    let mut hist = Histogram::<u64>::new_with_bounds(1, event_loop::LATENCY_NS_MAX, 3)?;
     let mut counts = Counts::default();
     let mut hits = Vec::new();
     let mut start = u64::MAX;

@@ -1,10 +1,11 @@
 //! The `tollgate-loadtest` binary: parse the flags, run the load (the library does the work), print
-//! the table, write the `--json` and `--plot` files, and turn a `--check` violation into exit status 3.
+//! the table, write the `--json` and `--plot` files, and turn a `--check` violation into exit status 3;
+//! or run the `failover-probe` measurement and print its line.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use tollgate_loadtest::{plot, run_with_progress, Args};
+use tollgate_loadtest::{failover, plot, run_with_progress, Args, Mode};
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -18,6 +19,10 @@ fn main() -> ExitCode {
 }
 
 fn real_main(args: &Args) -> anyhow::Result<ExitCode> {
+    if let Some(Mode::FailoverProbe(probe)) = &args.mode {
+        println!("{}", failover::probe(probe)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     let report = run_with_progress(args, !args.quiet)?;
     print!("{}", report.table());
     if let Some(path) = &args.json {

@@ -1,6 +1,9 @@
 //! `--check` against fake divvy servers: a server that over-admits is caught (non-zero exit, the
 //! actors named), a correct one passes.
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::process::Command;

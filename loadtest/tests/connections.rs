@@ -2,6 +2,9 @@
 //! soft open-files limit raised by the generator itself, a clear error when the hard limit is too
 //! low, and `--interval-json`, one line per second of the run.
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 mod tollgate_support;
 
@@ -113,24 +116,36 @@ fn interval_json_has_a_line_per_second() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    // Seconds 1, 2 and 3 of a 3 s run, and what came after the last of them, if anything, in a
-    // last, shorter line.
-    assert!((3..=4).contains(&lines.len()), "{text}");
+    // Lines fall due on a fixed grid (1 s, 2 s, ... after the start) and are written by a thread that
+    // wakes every 100 ms; on a loaded machine a wake-up may come late and the next line then covers
+    // less than a second (the grid does not drift). So: the lines of a 3 s run are the seconds it
+    // covered, each written once its second was due, in order, adding up; what came after the last
+    // of them, if anything, is in a last, shorter line. Intervals are bounded generously.
+    assert!((2..=5).contains(&lines.len()), "{text}");
     let mut sum = 0;
+    let mut previous_elapsed = 0.0;
     for (i, l) in lines.iter().enumerate() {
         let n = l["requests"].as_u64().unwrap();
         sum += n;
         assert_eq!(l["requests_total"].as_u64().unwrap(), sum, "{text}");
         assert_eq!(l["errors"], 0);
-        if i < 2 {
-            let interval = l["interval_secs"].as_f64().unwrap();
-            assert!((1.0..1.2).contains(&interval), "{text}");
-            let elapsed = l["elapsed_secs"].as_f64().unwrap();
-            assert!((elapsed - (i + 1) as f64).abs() < 0.2, "{text}");
+        let elapsed = l["elapsed_secs"].as_f64().unwrap();
+        let interval = l["interval_secs"].as_f64().unwrap();
+        assert!(elapsed > previous_elapsed, "lines in order: {text}");
+        // Each line covers the time since the previous one (both rounded to the millisecond).
+        assert!(
+            (elapsed - previous_elapsed - interval).abs() < 0.003,
+            "{text}"
+        );
+        previous_elapsed = elapsed;
+        if i + 1 < lines.len() {
+            // Written no earlier than its second fell due, and not much later.
+            assert!(elapsed >= (i + 1) as f64 - 0.001, "{text}");
+            assert!(interval > 0.0 && interval < 2.0, "{text}");
             assert!(n > 0, "{text}");
             // interval_secs is rounded to the millisecond.
             let rate = l["throughput_per_sec"].as_f64().unwrap();
-            assert!((rate / (n as f64 / interval) - 1.0).abs() < 0.002, "{text}");
+            assert!((rate / (n as f64 / interval) - 1.0).abs() < 0.01, "{text}");
         }
     }
     assert_eq!(

@@ -1,5 +1,9 @@
 //! The generator against fake divvy servers: exact allowed/denied counts (as a library and as the
-//! built binary with `--json`), determinism of the actor sequence, and recovery after `ERR` closes.
+//! built binary with `--json`), determinism of the actor sequence, recovery after `ERR` closes, and
+//! the failover probe (its kill, and its refusal to kill when the rounds before already fail).
+
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
@@ -7,6 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{args, divvy_server, DivvyBehaviour};
+use tollgate_loadtest::failover::{FailoverReport, ProbeArgs};
 
 #[test]
 fn closed_loop_counts_match_the_server_exactly() {
@@ -140,4 +145,65 @@ fn unreachable_target_fails_fast() {
     let t0 = std::time::Instant::now();
     assert!(tollgate_loadtest::run(&a).is_err());
     assert!(t0.elapsed() < Duration::from_secs(3));
+}
+
+/// A process to be the "node" the failover probe kills.
+fn victim() -> std::process::Child {
+    std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .expect("spawn sleep")
+}
+
+/// Probes `srv` (4 shards: rounds of 32 hits), killing `node`.
+fn probe(srv: &common::FakeServer, node: &std::process::Child) -> FailoverReport {
+    tollgate_loadtest::failover::probe(&ProbeArgs {
+        node: srv.target(),
+        pid: node.id() as i32,
+        shards: 4,
+        timeout_secs: 10.0,
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_failover_probe_kills_its_victim_and_sees_no_disturbance_on_a_steady_server() {
+    let srv = divvy_server(DivvyBehaviour {
+        limit: 1_000_000,
+        ..DivvyBehaviour::default()
+    });
+    let mut node = victim();
+    let report = probe(&srv, &node);
+    let status = node.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9), "SIGKILLed");
+    let FailoverReport::Measured {
+        failover_ms,
+        errors,
+        ..
+    } = report
+    else {
+        panic!("measured: {report:?}");
+    };
+    // Nothing was disturbed: the probe stops three seconds after the kill.
+    assert_eq!((failover_ms, errors), (0.0, 0), "{report}");
+    // 5 rounds before the kill and at least one after, 32 hits each.
+    assert!(srv.tally.get(&srv.tally.lines) >= 6 * 32);
+}
+
+#[test]
+fn the_failover_probe_kills_nothing_when_the_cluster_already_fails() {
+    let srv = divvy_server(DivvyBehaviour {
+        err_every: Some(1),
+        ..DivvyBehaviour::default()
+    });
+    let mut node = victim();
+    let report = probe(&srv, &node);
+    assert_eq!(
+        report.to_string(),
+        "failover_ms=nan errors=before-kill slowest_round_ms=nan"
+    );
+    assert!(node.try_wait().unwrap().is_none(), "still running");
+    node.kill().unwrap();
+    node.wait().unwrap();
 }

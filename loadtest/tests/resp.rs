@@ -1,6 +1,9 @@
 //! The RESP protocols: `INCR` and divvy's script by `EVALSHA` against a fake Redis (including the
 //! recovery from `NOSCRIPT`), and, when a `redis-server` binary is installed, against a real one.
 
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::net::TcpListener;

@@ -239,12 +239,14 @@ impl From<std::io::Error> for AuthError {
     }
 }
 
+#[allow(clippy::expect_used)] // no randomness, no safe handshake: stop loudly
 fn nonce() -> [u8; NONCE_BYTES] {
     let mut nonce = [0u8; NONCE_BYTES];
     getrandom::fill(&mut nonce).expect("the OS random source failed");
     nonce
 }
 
+#[allow(clippy::expect_used)] // HMAC accepts keys of any length
 fn mac(secret: &Secret, label: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
     let mut mac = HmacSha256::new_from_slice(&secret.0).expect("HMAC takes keys of any length");
     mac.update(label);

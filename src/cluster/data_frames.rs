@@ -24,12 +24,14 @@ pub const DATA_FRAME_ID: u64 = u64::MAX;
 pub mod tag {
     /// Hits for shards the receiver leads: `batch varint, count varint, ops`.
     pub const FORWARD: u8 = 1;
-    /// Answers to forwarded hits: `count varint, (batch, index, decision)*`.
+    /// Answers to forwarded hits: `boot varint` (the incarnation of the
+    /// node that forwarded them), `count varint, (batch, index, decision)*`.
     pub const ANSWERS: u8 = 2;
     /// Counter states a leader decided: `round varint, stamped_ms varint,
     /// shard varint, term varint, count varint, (key, state)*`.
     pub const ROUND: u8 = 3;
-    /// Rounds applied: `upto varint, count varint, (round, shard, refusal)*`.
+    /// Rounds applied: `boot varint` (the leader incarnation whose rounds
+    /// these are), `upto varint, count varint, (round, shard, refusal)*`.
     pub const ACK: u8 = 4;
     /// Nothing to say: the sender is alive.
     pub const BEAT: u8 = 5;
@@ -378,10 +380,11 @@ impl RoundHeader {
     }
 }
 
-/// Appends an ack section: every round up to `upto` was applied, except the
-/// listed sections.
-pub fn put_ack(out: &mut Vec<u8>, upto: u64, refused: &[(u64, u32, ApplyRefusal)]) {
+/// Appends an ack section: every round up to `upto` of the leader's
+/// incarnation `boot` was applied, except the listed sections.
+pub fn put_ack(out: &mut Vec<u8>, boot: u64, upto: u64, refused: &[(u64, u32, ApplyRefusal)]) {
     out.push(tag::ACK);
+    put_varint(out, boot);
     put_varint(out, upto);
     put_varint(out, refused.len() as u64);
     for &(round, shard, refusal) in refused {
@@ -399,12 +402,14 @@ pub fn put_ack(out: &mut Vec<u8>, upto: u64, refused: &[(u64, u32, ApplyRefusal)
 
 /// An ack section, as read.
 pub struct Ack {
+    pub boot: u64,
     pub upto: u64,
     pub refused: Vec<(u64, u32, ApplyRefusal)>,
 }
 
 impl Ack {
     pub fn read(reader: &mut Reader<'_>) -> Result<Ack, FrameError> {
+        let boot = reader.varint()?;
         let upto = reader.varint()?;
         let count = reader.count(3)?;
         let mut refused = Vec::with_capacity(count as usize);
@@ -420,7 +425,11 @@ impl Ack {
             };
             refused.push((round, shard, refusal));
         }
-        Ok(Ack { upto, refused })
+        Ok(Ack {
+            boot,
+            upto,
+            refused,
+        })
     }
 }
 
@@ -439,6 +448,7 @@ pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
                 }
             }
             tag::ANSWERS => {
+                reader.varint()?;
                 for _ in 0..reader.count(3)? {
                     reader.varint()?;
                     reader.u32()?;
@@ -528,6 +538,7 @@ mod tests {
             WireDecision::Full { live_keys_max: 7 },
         ];
         out.push(tag::ANSWERS);
+        put_varint(&mut out, 99);
         put_varint(&mut out, decisions.len() as u64);
         for (i, decision) in decisions.iter().enumerate() {
             put_varint(&mut out, 5);
@@ -536,6 +547,7 @@ mod tests {
         }
         put_ack(
             &mut out,
+            7,
             41,
             &[
                 (40, 3, ApplyRefusal::Fenced { term: 9 }),
@@ -566,6 +578,7 @@ mod tests {
             assert_eq!(&reader.state().unwrap(), state);
         }
         assert_eq!(reader.u8().unwrap(), tag::ANSWERS);
+        assert_eq!(reader.varint().unwrap(), 99);
         assert_eq!(reader.count(3).unwrap(), decisions.len() as u32);
         for (i, decision) in decisions.iter().enumerate() {
             assert_eq!(reader.varint().unwrap(), 5);
@@ -574,7 +587,7 @@ mod tests {
         }
         assert_eq!(reader.u8().unwrap(), tag::ACK);
         let ack = Ack::read(&mut reader).unwrap();
-        assert_eq!(ack.upto, 41);
+        assert_eq!((ack.boot, ack.upto), (7, 41));
         assert_eq!(
             ack.refused,
             vec![

@@ -91,6 +91,8 @@ pub struct DecidedState {
 
 pub struct DataPlane {
     pub me: NodeId,
+    /// This process's incarnation (see `Hello::boot_id`).
+    pub boot: u64,
     pub placement: Placement,
     pub store: Arc<MemoryStore>,
     pub clock: Arc<dyn Clock>,
@@ -113,8 +115,10 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         me: NodeId,
+        boot: u64,
         placement: Placement,
         store: Arc<MemoryStore>,
         clock: Arc<dyn Clock>,
@@ -123,6 +127,7 @@ impl DataPlane {
     ) -> DataPlane {
         DataPlane {
             me,
+            boot,
             replicas: (0..placement.shards())
                 .map(|_| ArcSwapOption::empty())
                 .collect(),
@@ -307,8 +312,18 @@ impl DataPlane {
         forwards.retain(|_, wait| now.saturating_duration_since(wait.sent_at) < timeout * 2);
     }
 
-    /// Handles one data frame from `from`, inline.
-    pub fn on_data_frame(&self, from: NodeId, body: &[u8]) -> Result<(), FrameError> {
+    /// Handles one data frame from `from`'s incarnation `from_boot`, inline.
+    /// A frame from an incarnation older than one already seen is stale
+    /// (the process restarted since) and is dropped whole.
+    pub fn on_data_frame(
+        &self,
+        from: NodeId,
+        from_boot: u64,
+        body: &[u8],
+    ) -> Result<(), FrameError> {
+        if from_boot < self.out(from).peer_boot() {
+            return Ok(());
+        }
         let mut reader = Reader::new(body);
         let mut answers: Vec<u8> = Vec::new();
         let mut answer_count = 0u32;
@@ -327,7 +342,7 @@ impl DataPlane {
                         for index in 0..count {
                             let op = reader.op()?;
                             let answer = self.decide_forwarded(
-                                from,
+                                (from, from_boot),
                                 batch,
                                 index,
                                 &op,
@@ -337,7 +352,7 @@ impl DataPlane {
                             );
                             if let Some(answer) = answer {
                                 let at = *answers_at.get_or_insert_with(|| {
-                                    begin_counted(&mut answers, tag::ANSWERS, &[])
+                                    begin_counted(&mut answers, tag::ANSWERS, &[from_boot])
                                 });
                                 let _ = at;
                                 put_varint(&mut answers, batch);
@@ -348,12 +363,18 @@ impl DataPlane {
                         }
                     }
                     tag::ANSWERS => {
+                        // Answers meant for this node's previous life are
+                        // read past, never taken.
+                        let mine = reader.varint()? == self.boot;
                         let count = reader.count(3)?;
                         let mut forwards = self.forwards.lock();
                         for _ in 0..count {
                             let batch = reader.varint()?;
                             let index = reader.u32()?;
                             let decision = reader.decision()?;
+                            if !mine {
+                                continue;
+                            }
                             if let Some(wait) = forwards.get_mut(&batch) {
                                 if wait.answer(index, decision) {
                                     forwards.remove(&batch);
@@ -361,12 +382,14 @@ impl DataPlane {
                             }
                         }
                     }
-                    tag::ROUND => self.apply_round(from, &mut reader)?,
+                    tag::ROUND => self.apply_round(from, from_boot, &mut reader)?,
                     tag::ACK => {
                         let ack = Ack::read(&mut reader)?;
-                        self.in_flight
-                            .lock()
-                            .ack(from, ack.upto, &ack.refused, &mut ended);
+                        if ack.boot == self.boot {
+                            self.in_flight
+                                .lock()
+                                .ack(from, ack.upto, &ack.refused, &mut ended);
+                        }
                     }
                     tag::BEAT => {}
                     other => return Err(FrameError::UnknownTag(other)),
@@ -400,7 +423,7 @@ impl DataPlane {
     #[allow(clippy::too_many_arguments)]
     fn decide_forwarded(
         &self,
-        from: NodeId,
+        (from, from_boot): (NodeId, u64),
         batch: u64,
         index: u32,
         op: &OpView<'_>,
@@ -426,6 +449,7 @@ impl DataPlane {
                 };
                 let waiter = self.strict().then_some(Waiter::Remote {
                     peer: from,
+                    boot: from_boot,
                     batch,
                     index,
                     decision,
@@ -454,7 +478,12 @@ impl DataPlane {
     }
 
     /// Applies one round section from `from` and records its ack.
-    fn apply_round(&self, from: NodeId, reader: &mut Reader<'_>) -> Result<(), FrameError> {
+    fn apply_round(
+        &self,
+        from: NodeId,
+        from_boot: u64,
+        reader: &mut Reader<'_>,
+    ) -> Result<(), FrameError> {
         let header = RoundHeader::read(reader)?;
         let mut states: SmallVec<[(&[u8], CounterState); 32]> = SmallVec::new();
         for _ in 0..header.count {
@@ -485,7 +514,7 @@ impl DataPlane {
             DataStats::add(&self.stats.states_refused, u64::from(header.count));
         }
         let out = self.out(from);
-        out.record_ack(header.round, refused.map(|r| (header.shard, r)));
+        out.record_ack(from_boot, header.round, refused.map(|r| (header.shard, r)));
         out.wake.notify_one();
         Ok(())
     }
@@ -510,7 +539,7 @@ impl DataPlane {
         if ended.is_empty() {
             return;
         }
-        let mut remote: HashMap<NodeId, (Vec<u8>, usize, u32)> = HashMap::new();
+        let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
         for section in ended {
             match &section.end {
                 SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
@@ -543,13 +572,14 @@ impl DataPlane {
                     } => board.fill(slot, section.end.answer(section.shard, decision)),
                     Waiter::Remote {
                         peer,
+                        boot,
                         batch,
                         index,
                         decision,
                     } => {
-                        let (bytes, at, count) = remote.entry(peer).or_insert_with(|| {
+                        let (bytes, at, count) = remote.entry((peer, boot)).or_insert_with(|| {
                             let mut bytes = Vec::new();
-                            let at = begin_counted(&mut bytes, tag::ANSWERS, &[]);
+                            let at = begin_counted(&mut bytes, tag::ANSWERS, &[boot]);
                             (bytes, at, 0)
                         });
                         put_varint(bytes, batch);
@@ -561,9 +591,12 @@ impl DataPlane {
                 }
             }
         }
-        for (peer, (mut bytes, at, count)) in remote {
+        for ((peer, boot), (mut bytes, at, count)) in remote {
             end_counted(&mut bytes, at, count);
             let out = self.out(peer);
+            if out.peer_boot() != boot {
+                continue; // The peer restarted since: nobody waits for these.
+            }
             if out.append(|body| body.extend_from_slice(&bytes)).is_some() {
                 out.wake.notify_one();
             }

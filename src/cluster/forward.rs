@@ -14,7 +14,6 @@
 
 use super::data_frames::{put_op, OpView, Reader};
 use super::dataplane::{DataPlane, DecidedState};
-use super::placement::stable_counter_id;
 use super::replica::LocalDecision;
 use super::rounds::Waiter;
 use super::wire::{ShardRefusal, WireDecision};
@@ -447,17 +446,11 @@ async fn wait_for_answers(
     board.finish(timeout_ms)
 }
 
-/// The cluster key of an op: the rule's stable counter id, then the actor.
+/// The cluster key of an op: the rule's counter id (computed once, when the
+/// rule was validated, the same on every node), then the actor.
 fn cluster_key(buf: &mut Vec<u8>, op: &CounterOp<'_>) {
-    let counter_id = stable_counter_id(
-        &op.rule.canonical_operation,
-        op.quota.credit_limit(),
-        op.quota.period_ms(),
-        op.rule.algorithm.as_str(),
-    );
     buf.clear();
-    buf.extend_from_slice(&counter_id.to_le_bytes());
-    buf.extend_from_slice(op.actor.as_bytes());
+    op.rule.counter_id.write_key(buf, op.actor.as_bytes());
 }
 
 impl OpBatch for ClusterBatch {

@@ -394,7 +394,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
             // over the one that can win.
             let rank = rank as u64;
             let delay = Duration::from_millis(election_ms * (rank * 4 + delay_rounds));
-            let again = last_try.get(&shard).map_or(true, |at| now >= *at);
+            let again = last_try.get(&shard).is_none_or(|at| now >= *at);
             if now.saturating_duration_since(since) >= delay && again {
                 let pause = election_ms * (2 + rank * 4) + jitter(election_ms);
                 last_try.insert(shard, now + Duration::from_millis(pause));

@@ -316,6 +316,9 @@ async fn serve_connection(
                 ended = &mut reader => break ended.unwrap_or_else(|e| e.to_string()),
             }
         }
+        // Let the tasks woken with this one (frame readers, the replicator)
+        // add to the outbox first: one write then carries them all.
+        tokio::task::yield_now().await;
         buf.clear();
         let mut frames = 0u64;
         let mut queue = |call: Call, buf: &mut Vec<u8>| {

@@ -51,7 +51,7 @@ pub mod wire;
 
 pub use client::ClusterClient;
 pub use config::ClusterFile;
-pub use status::{StatusArgs, Topology};
+pub use status::Topology;
 
 use crate::clock::Clock;
 use crate::engine::CommandExtension;
@@ -66,7 +66,7 @@ use std::sync::Arc;
 pub type NodeId = u64;
 
 /// When a hit is answered (see docs/cluster.md for the exact guarantees).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Consistency {
     /// After the shard's entry is committed by a majority of its replicas.
     Strict,
@@ -83,113 +83,79 @@ impl Consistency {
     }
 }
 
-/// Flags of `tollgate serve` for cluster mode.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ClusterArgs {
-    /// Run as a member of the cluster this file describes (INI: [cluster]
-    /// shards/replicas, [node N] client/peer addresses). See docs/cluster.md.
-    #[arg(long = "cluster", value_name = "FILE")]
+/// Cluster mode's settings (`tollgate serve --cluster FILE` and the flags
+/// beside it; docs/cluster.md). Without a cluster file the node runs alone.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Run as a member of the cluster this file describes; `None`: single node.
     pub cluster_file: Option<PathBuf>,
-
     /// This node's id in the cluster file.
-    #[arg(long, requires = "cluster_file")]
     pub node_id: Option<NodeId>,
-
-    /// strict: answer after a majority commit; fast: answer from the
-    /// leader's state and replicate in the background.
-    #[arg(long, value_enum, default_value_t = Consistency::Strict)]
+    /// When a hit is answered.
     pub consistency: Consistency,
-
     /// How often a node beats to each peer when it has nothing else to
     /// send, in milliseconds (the liveness signal that replaces per-shard
     /// Raft heartbeats).
-    #[arg(long, default_value_t = 100)]
     pub raft_heartbeat_ms: u64,
-
-    /// Election timeout, in milliseconds. A peer not heard from for twice
-    /// this is down: the voters of the shards it led stand for election,
-    /// the first-ranked at once, each next one this much later. Followers
-    /// also refuse other candidates for twice this after hearing a leader.
-    #[arg(long, default_value_t = 300)]
+    /// Election timeout, in milliseconds: a peer not heard from for twice
+    /// this is down, and the voters of the shards it led stand for
+    /// election, the first-ranked at once.
     pub raft_election_timeout_ms: u64,
-
     /// Fast mode: how long decided states may wait before they are sent to
-    /// the replicas, in milliseconds (a round also leaves when it holds
-    /// `--batch-ops-max` states).
-    #[arg(long, default_value_t = 5)]
+    /// the replicas, in milliseconds.
     pub replication_interval_ms: u64,
-
-    /// How long a proposal may wait for its commit, in milliseconds: in
-    /// strict mode its hits then answer `unavailable`; in fast mode the
-    /// leader re-confirms its leadership before deciding more. Also bounds
-    /// a new leader's confirmation.
-    #[arg(long, default_value_t = 1_000)]
+    /// How long a proposal may wait for its commit, in milliseconds.
     pub commit_timeout_ms: u64,
-
     /// How long a hit may wait for its shard's leader, in milliseconds.
-    #[arg(long, default_value_t = 2_000)]
     pub forward_timeout_ms: u64,
-
     /// At startup, how long to wait for peers to answer, in milliseconds.
-    #[arg(long, default_value_t = 3_000)]
     pub join_wait_ms: u64,
-
-    /// Join a running cluster as a new node: wait (without limit) until a
-    /// member listed in the cluster file answers, take the cluster's member
-    /// list, and never initialize a shard; `tollgate cluster add-node` then
-    /// moves shards here. See docs/cluster.md.
-    #[arg(long = "join")]
+    /// Join a running cluster as a new node (never initialize a shard).
     pub join_existing: bool,
-
-    /// Shards this node may be moving at once (as their leader) while the
-    /// cluster grows or shrinks; each move copies the shard's counters to a
-    /// new replica.
-    #[arg(long, default_value_t = 2)]
+    /// Shards this node may be moving at once (as their leader).
     pub shard_moves_max: usize,
-
-    /// Spread shard leadership over the nodes that are up: a node leading
-    /// more than its share hands shards over to replicas that lead fewer
-    /// (one at a time; hits of that shard wait well under a second).
-    /// `--leader-balance false` leaves leaders where elections put them.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// Spread shard leadership over the nodes that are up.
     pub leader_balance: bool,
-
     /// Threads of the runtime that runs the peer links, the replicator,
     /// the shard groups and the handling of peers' frames.
-    #[arg(long, default_value_t = 1)]
     pub raft_threads: usize,
-
     /// Fast mode: a replication round leaves at once when it holds this
     /// many states.
-    #[arg(long, default_value_t = 4_096)]
     pub batch_ops_max: usize,
-
     /// Raft log entries between snapshots of a shard group (its log holds
     /// membership changes and new leaders' entries only).
-    #[arg(long, default_value_t = 5_000)]
     pub snapshot_every_entries: u64,
-
-    /// Dial node N at this address instead of its cluster-file peer address
-    /// (NAT, SSH tunnels, fault-injection proxies). Repeatable: N=HOST:PORT.
-    #[arg(long = "peer-route", value_name = "N=HOST:PORT", value_parser = config::parse_peer_route)]
+    /// Dial node N at this address instead of its cluster-file peer address.
     pub peer_routes: Vec<(NodeId, SocketAddr)>,
-
-    /// File of the cluster's shared secret(s), one per line (blank lines and
-    /// # comments ignored): the first signs, all are accepted (rotation).
-    /// Peers must prove they hold it. Required in cluster mode (or
-    /// --cluster-secret). See docs/cluster.md, "Security of the peer port".
-    #[arg(long, value_name = "PATH")]
+    /// File of the cluster's shared secret(s), one per line.
     pub cluster_secret_file: Option<PathBuf>,
-
-    /// The cluster's shared secret(s), comma-separated (first signs);
-    /// prefer --cluster-secret-file (command lines are visible to others).
-    #[arg(
-        long,
-        value_name = "SECRET",
-        env = "TOLLGATE_CLUSTER_SECRET",
-        hide_env_values = true
-    )]
+    /// The cluster's shared secret(s), comma-separated (first signs).
     pub cluster_secret: Option<String>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            cluster_file: None,
+            node_id: None,
+            consistency: Consistency::Strict,
+            raft_heartbeat_ms: 100,
+            raft_election_timeout_ms: 300,
+            replication_interval_ms: 5,
+            commit_timeout_ms: 1_000,
+            forward_timeout_ms: 2_000,
+            join_wait_ms: 3_000,
+            join_existing: false,
+            shard_moves_max: 2,
+            leader_balance: true,
+            raft_threads: 1,
+            batch_ops_max: 4_096,
+            snapshot_every_entries: 5_000,
+            peer_routes: Vec::new(),
+            cluster_secret_file: None,
+            cluster_secret: None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -320,7 +286,7 @@ impl Cluster {
     }
 }
 
-fn raft_config(args: &ClusterArgs) -> Result<Arc<openraft::Config>, ClusterError> {
+fn raft_config(args: &ClusterConfig) -> Result<Arc<openraft::Config>, ClusterError> {
     let election_ms = args.raft_election_timeout_ms.max(3);
     // Groups send no heartbeats and run no election timers (see
     // leadership.rs): the heartbeat interval only bounds how long a leader
@@ -355,7 +321,7 @@ fn raft_config(args: &ClusterArgs) -> Result<Arc<openraft::Config>, ClusterError
 /// links to peers, the data plane, one Raft group per shard it replicates,
 /// the peer server, then joins. Returns `None` without `--cluster`.
 pub fn start(
-    args: &ClusterArgs,
+    args: &ClusterConfig,
     rules: &RuleSet,
     store: Arc<MemoryStore>,
     clock: Arc<dyn Clock>,
@@ -388,10 +354,12 @@ pub fn start(
         rules_fingerprint: rules.fingerprint(),
         layout_fingerprint: file.layout_fingerprint(),
         consistency: args.consistency.as_str().to_string(),
+        boot_id: wire::new_boot_id(),
     };
     let leaders = Arc::new(LeaderTable::new(placement.shards()));
     let dp = Arc::new(dataplane::DataPlane::new(
         id,
+        hello.boot_id,
         placement,
         store,
         clock,

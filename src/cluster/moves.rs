@@ -53,7 +53,7 @@ impl ClusterNode {
                     self.leaders.observe(shard.shard, peer, shard.term);
                     let newer = views
                         .get(&shard.shard)
-                        .map_or(true, |known| known.term <= shard.term);
+                        .is_none_or(|known| known.term <= shard.term);
                     if newer {
                         views.insert(shard.shard, shard.clone());
                     }
@@ -114,7 +114,7 @@ impl ClusterNode {
             if !lagging {
                 continue;
             }
-            let due = nudged.get(&replica.shard).map_or(true, |at| {
+            let due = nudged.get(&replica.shard).is_none_or(|at| {
                 now.saturating_duration_since(*at) >= Duration::from_millis(NUDGE_INTERVAL_MS)
             });
             if due {
@@ -218,9 +218,10 @@ impl ClusterNode {
             .filter(|&n| self.dp.alive(n))
             .collect();
         let recovering = self.recovering_replicas();
-        let cooled = self.last_balance.lock().map_or(true, |at| {
-            at.elapsed() >= Duration::from_millis(BALANCE_COOLDOWN_MS)
-        });
+        let cooled = self
+            .last_balance
+            .lock()
+            .is_none_or(|at| at.elapsed() >= Duration::from_millis(BALANCE_COOLDOWN_MS));
         ClusterView {
             me: self.id,
             shards: self.placement.shards(),

@@ -203,7 +203,7 @@ impl ClusterNode {
         // The report was made at most a status timeout before it arrived.
         if received
             .checked_sub(std::time::Duration::from_millis(STATUS_TIMEOUT_MS))
-            .map_or(true, |made| made <= since)
+            .is_none_or(|made| made <= since)
         {
             return false;
         }

@@ -22,7 +22,9 @@ struct OutInner {
     /// The frame being built: a reserved header, then sections.
     body: Vec<u8>,
     spare: Vec<u8>,
-    /// Highest round of this peer's applied here, to acknowledge.
+    /// The peer incarnation whose rounds are acknowledged, and the highest
+    /// of its rounds applied here.
+    ack_boot: u64,
     ack_upto: u64,
     ack_refused: Vec<(u64, u32, ApplyRefusal)>,
     ack_dirty: bool,
@@ -47,6 +49,8 @@ pub struct PeerOut {
     taken: AtomicU64,
     /// When something was last heard from the peer (ms since `epoch`).
     heard_ms: AtomicU64,
+    /// The newest incarnation of the peer that said hello to this node.
+    peer_boot: AtomicU64,
     epoch: Instant,
 }
 
@@ -57,6 +61,7 @@ impl PeerOut {
             inner: Mutex::new(OutInner {
                 body: vec![0; FRAME_HEADER_BYTES],
                 spare: Vec::new(),
+                ack_boot: 0,
                 ack_upto: 0,
                 ack_refused: Vec::new(),
                 ack_dirty: false,
@@ -67,6 +72,7 @@ impl PeerOut {
             // A peer learned of just now gets the benefit of the doubt for
             // one liveness timeout.
             heard_ms: AtomicU64::new((epoch.elapsed().as_millis() as u64).max(1)),
+            peer_boot: AtomicU64::new(0),
             epoch,
         }
     }
@@ -79,6 +85,18 @@ impl PeerOut {
     pub fn heard(&self) {
         let ms = self.epoch.elapsed().as_millis() as u64;
         self.heard_ms.store(ms.max(1), Ordering::Relaxed);
+    }
+
+    /// Notes the incarnation of a connection from the peer; says whether it
+    /// is the newest one seen (an older one belongs to a process that
+    /// restarted since: what it sends is stale).
+    pub fn note_boot(&self, boot: u64) -> bool {
+        self.peer_boot.fetch_max(boot, Ordering::AcqRel) <= boot
+    }
+
+    /// The newest incarnation of the peer seen.
+    pub fn peer_boot(&self) -> u64 {
+        self.peer_boot.load(Ordering::Acquire)
     }
 
     /// Heard from within `ms`?
@@ -98,8 +116,20 @@ impl PeerOut {
         Some(self.taken.load(Ordering::Acquire) + 1)
     }
 
-    pub fn record_ack(&self, round: u64, refused: Option<(u32, ApplyRefusal)>) {
+    /// Records that round `round` of the peer's incarnation `boot` was
+    /// applied here (or refused, with why). Rounds of an older incarnation
+    /// than one already acknowledged are not acknowledged: that leader is
+    /// gone, and its round numbers mean nothing to its successor.
+    pub fn record_ack(&self, boot: u64, round: u64, refused: Option<(u32, ApplyRefusal)>) {
         let mut inner = self.inner.lock();
+        if boot != inner.ack_boot {
+            if boot < inner.ack_boot {
+                return;
+            }
+            inner.ack_boot = boot;
+            inner.ack_upto = 0;
+            inner.ack_refused.clear();
+        }
         inner.ack_upto = inner.ack_upto.max(round);
         if let Some((shard, refusal)) = refused {
             if inner.ack_refused.len() < 65_536 {
@@ -117,8 +147,9 @@ impl PeerOut {
             return None;
         }
         if inner.ack_dirty {
-            let (upto, refused) = (inner.ack_upto, std::mem::take(&mut inner.ack_refused));
-            put_ack(&mut inner.body, upto, &refused);
+            let (boot, upto) = (inner.ack_boot, inner.ack_upto);
+            let refused = std::mem::take(&mut inner.ack_refused);
+            put_ack(&mut inner.body, boot, upto, &refused);
             inner.ack_dirty = false;
         }
         let mut next = std::mem::take(&mut inner.spare);
@@ -157,5 +188,33 @@ impl PeerOut {
         inner.ack_dirty = false;
         inner.ack_refused.clear();
         self.taken.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::data_frames::{Ack, Reader};
+
+    fn ack_in(frame: &[u8]) -> (u64, u64) {
+        let mut reader = Reader::new(&frame[FRAME_HEADER_BYTES..]);
+        assert_eq!(reader.u8().unwrap(), tag::ACK);
+        let ack = Ack::read(&mut reader).unwrap();
+        (ack.boot, ack.upto)
+    }
+
+    #[test]
+    fn acks_follow_the_newest_incarnation_of_the_leader() {
+        let out = PeerOut::new(2, Instant::now());
+        out.record_ack(100, 5_000, None);
+        assert_eq!(ack_in(&out.take_frame().unwrap()), (100, 5_000));
+        // The leader restarted: its rounds count from 1 again, and the old
+        // life's high-water mark must not acknowledge them.
+        out.record_ack(200, 1, None);
+        assert_eq!(ack_in(&out.take_frame().unwrap()), (200, 1));
+        // A late round of the old life is not acknowledged at all.
+        out.record_ack(100, 5_001, None);
+        assert!(out.take_frame().is_none());
+        assert!(out.note_boot(200) && !out.note_boot(100) && out.peer_boot() == 200);
     }
 }

@@ -76,7 +76,7 @@ async fn serve_peer(
     let Ok((id, first)) = codec::read_frame::<PeerRequest>(&mut read_half, &mut buf).await else {
         return;
     };
-    let peer = match first {
+    let (peer, peer_boot) = match first {
         PeerRequest::Admin(request) => {
             let outcome = node.admin(request).await;
             match &outcome {
@@ -95,7 +95,7 @@ async fn serve_peer(
                 {
                     return;
                 }
-                hello.node_id
+                (hello.node_id, hello.boot_id)
             }
             Err(why) => {
                 tracing::error!("refusing a peer connection: {why}");
@@ -114,6 +114,7 @@ async fn serve_peer(
         }
     };
     let from = node.dp.out(peer);
+    from.note_boot(peer_boot);
     from.heard();
     let (answers, mut to_write) = mpsc::unbounded_channel::<(u64, PeerResponse)>();
     let writer = tokio::spawn(async move {
@@ -144,7 +145,7 @@ async fn serve_peer(
         };
         from.heard();
         if id == DATA_FRAME_ID {
-            if let Err(error) = node.dp.on_data_frame(peer, &buf) {
+            if let Err(error) = node.dp.on_data_frame(peer, peer_boot, &buf) {
                 tracing::warn!(peer, %error, "dropping a peer connection: bad data frame");
                 break;
             }

@@ -13,66 +13,29 @@
 //! correlate.
 
 use super::NodeId;
+use crate::rules::CounterId;
+pub use crate::stable_hash::stable_hash;
 
 /// Seed of the key → shard hash.
 const SHARD_SEED: u64 = 0x5348_4152_445f_7631; // "SHARD_v1"
 /// Seed of the (shard, node) → score hash.
 const NODE_SEED: u64 = 0x4e4f_4445_5f5f_7631; // "NODE__v1"
-/// Seed of a rule's stable counter id.
-const COUNTER_SEED: u64 = 0x434f_554e_5445_5231; // "COUNTER1"
 
-/// A fixed 64-bit hash of `bytes` under `seed`, the same in every process.
-pub fn stable_hash(seed: u64, bytes: &[u8]) -> u64 {
-    stable_hash_parts(seed, &[bytes])
-}
-
-/// [`stable_hash`] of the concatenation of `parts`, without building it.
-fn stable_hash_parts(seed: u64, parts: &[&[u8]]) -> u64 {
-    let mut hash = 0xcbf2_9ce4_8422_2325 ^ seed;
-    for part in parts {
-        for &byte in *part {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    splitmix64(hash)
-}
-
-/// The splitmix64 finalizer: spreads every input bit over every output bit.
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// A rule's counter id that every node computes alike (the rule's
-/// process-local `counter_identity` is not): the canonical operation, limit,
-/// period and algorithm, which is what identifies a rule's counters (SPEC §4).
+/// A rule's counter id as a `u64` (the rule's [`CounterId`] computes it at
+/// validation; this is for callers holding only the rule's parts).
 pub fn stable_counter_id(
     canonical_operation: &str,
     credit_limit: u64,
     period_ms: u64,
     algorithm: &str,
 ) -> u64 {
-    stable_hash_parts(
-        COUNTER_SEED,
-        &[
-            canonical_operation.as_bytes(),
-            &[0],
-            &credit_limit.to_le_bytes(),
-            &period_ms.to_le_bytes(),
-            algorithm.as_bytes(),
-        ],
-    )
+    CounterId::of(canonical_operation, credit_limit, period_ms, algorithm).0
 }
 
 /// Writes a counter's cluster key: the stable counter id (8 bytes, little
-/// endian), then the actor's bytes.
+/// endian), then the actor's bytes (the memory store's key, the same bytes).
 pub fn counter_key(buf: &mut Vec<u8>, counter_id: u64, actor: &str) {
-    buf.clear();
-    buf.extend_from_slice(&counter_id.to_le_bytes());
-    buf.extend_from_slice(actor.as_bytes());
+    CounterId(counter_id).write_key(buf, actor.as_bytes());
 }
 
 /// The shard map of one cluster: shard count, replication factor, members.
@@ -178,7 +141,6 @@ mod tests {
     fn hashes_are_fixed_across_processes() {
         // Changing these values reshuffles every cluster's counters: only do
         // it together with a cluster-format version bump.
-        assert_eq!(stable_hash(0, b""), splitmix64(0xcbf2_9ce4_8422_2325));
         assert_eq!(stable_hash(1, b"abc"), stable_hash(1, b"abc"));
         assert_ne!(stable_hash(1, b"abc"), stable_hash(2, b"abc"));
         let placement = Placement::new(64, 3, vec![1, 2, 3, 4, 5]);

@@ -166,7 +166,7 @@ fn balance(view: &ClusterView, slots: usize) -> Option<ShardWork> {
             if theirs + 2 > mine || view.recovering.contains(&(voter, led.shard)) {
                 continue;
             }
-            if best.map_or(true, |(least, ..)| theirs < least) {
+            if best.is_none_or(|(least, ..)| theirs < least) {
                 best = Some((theirs, voter, led.shard));
             }
         }

@@ -34,9 +34,11 @@ pub enum Waiter {
         slot: u32,
         decision: Decision,
     },
-    /// A hit forwarded by `peer`: op `index` of its batch `batch`.
+    /// A hit forwarded by `peer` (incarnation `boot`): op `index` of its
+    /// batch `batch`.
     Remote {
         peer: NodeId,
+        boot: u64,
         batch: u64,
         index: u32,
         decision: Decision,
@@ -474,6 +476,7 @@ mod tests {
             sent_to: sent_to.iter().copied().collect(),
             waiters: vec![Waiter::Remote {
                 peer: 9,
+                boot: 1,
                 batch: 1,
                 index: shard,
                 decision: OK,

@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::process::ExitCode;
 use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -310,44 +309,4 @@ pub fn fetch_topology(addr: &str, timeout: Duration) -> anyhow::Result<Topology>
         anyhow::bail!("{addr} answered {line} (is it running in cluster mode?)");
     }
     serde_json::from_str(line).with_context(|| format!("{addr} answered {line:?}"))
-}
-
-/// Flags of `tollgate cluster status`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct StatusArgs {
-    /// Any node's client address.
-    #[arg(long, default_value = "127.0.0.1:8321")]
-    pub node: String,
-    /// Print the JSON topology instead of tables.
-    #[arg(long)]
-    pub json: bool,
-    /// Exit 1 unless every node is up and every shard has a leader.
-    #[arg(long)]
-    pub check: bool,
-    /// With --check: also exit 1 while shards are moving (after add-node or
-    /// remove-node) or a replica is recovering.
-    #[arg(long, requires = "check")]
-    pub settled: bool,
-    /// How long to wait for the answer, in milliseconds.
-    #[arg(long, default_value_t = 3_000)]
-    pub timeout_ms: u64,
-}
-
-/// `tollgate cluster status`.
-pub fn status_command(args: &StatusArgs) -> anyhow::Result<ExitCode> {
-    let topology = fetch_topology(&args.node, Duration::from_millis(args.timeout_ms.max(1)))?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&topology)?);
-    } else {
-        print!("{}", render(&topology));
-    }
-    let ok = if args.settled {
-        topology.settled()
-    } else {
-        topology.healthy()
-    };
-    if args.check && !ok {
-        return Ok(ExitCode::FAILURE);
-    }
-    Ok(ExitCode::SUCCESS)
 }

@@ -104,6 +104,21 @@ pub struct Hello {
     /// The `[cluster]` layout's fingerprint (shards, replicas).
     pub layout_fingerprint: u64,
     pub consistency: String,
+    /// This process's incarnation: larger after every restart (start time
+    /// in microseconds, plus random low bits). Acks and answers name the
+    /// incarnation they address, so nothing meant for a node's previous
+    /// life is taken by its next one.
+    pub boot_id: u64,
+}
+
+/// A new incarnation id (see [`Hello::boot_id`]).
+pub fn new_boot_id() -> u64 {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    let mut noise = [0u8; 2];
+    let _ = getrandom::fill(&mut noise);
+    (micros << 8) ^ u64::from(noise[0])
 }
 
 /// What a node knows about one shard group it replicates.

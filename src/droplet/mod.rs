@@ -14,9 +14,6 @@
 //! state would then need a merge (as `CounterState::merge`), which the bucket
 //! model does not define yet.
 
-// Serving code: input never panics the server (see docs/operations.md).
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
-
 pub mod lines;
 pub mod proto;
 pub mod server;
@@ -24,89 +21,40 @@ pub mod server;
 use crate::clock::Clock;
 use crate::limiter::droplet_bucket::{self, Balances, BucketState, TakeOutcome, TakeRequest};
 use crate::store::{MemoryStoreConfig, StoreFull, StoredState, StripedStore};
-use clap::Args;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use lines::LineCommands;
-pub use server::{DropletServer, DropletServerConfig, RunningDroplet};
+pub use server::{DropletProtocol, DropletServer, DropletServerConfig, RunningDroplet};
 
 /// droplet's default port.
 pub const DROPLET_PORT: u16 = 3000;
 
-/// The flags of the droplet endpoint (flattened into `tollgate serve`).
-#[derive(Args, Debug, Clone)]
-pub struct DropletArgs {
-    /// Serve droplet's WebSocket protocol on ADDR; without a value, on
-    /// 0.0.0.0:3000 (droplet's port). Off unless given. `PORT` stays divvy's.
-    #[arg(
-        long,
-        value_name = "ADDR",
-        num_args = 0..=1,
-        default_missing_value = "0.0.0.0:3000"
-    )]
-    pub droplet_listen: Option<SocketAddr>,
-
-    /// Largest WebSocket message (and frame) accepted, in bytes; a larger one
-    /// closes the connection with code 1009.
-    #[arg(long, default_value_t = DropletServerConfig::default().message_bytes_max)]
-    pub droplet_message_bytes_max: usize,
-
+/// The droplet endpoint and its buckets, as `tollgate serve` configures them
+/// (the serving threads, connection limit and drain are the line protocol's).
+#[derive(Debug, Clone)]
+pub struct DropletConfig {
+    /// Serve droplet's WebSocket protocol here; `None`: not served (the
+    /// buckets still answer `TAKE`/`QUERY` lines).
+    pub listen: Option<SocketAddr>,
+    /// Largest WebSocket message (and frame) accepted, in bytes.
+    pub message_bytes_max: usize,
     /// droplet's `cleanup_interval`, in milliseconds: a bucket whose every
     /// period is full is forgotten at the next multiple of it (0: never).
-    #[arg(long, default_value_t = BucketsConfig::default().cleanup_interval_ms)]
-    pub droplet_cleanup_interval_ms: u64,
-
-    /// Most buckets kept in memory; a take that would create one more is
-    /// refused (`accept: false` over WebSocket, `ERR` on a line).
-    #[arg(long, default_value_t = BucketsConfig::default().buckets_max)]
-    pub droplet_buckets_max: usize,
+    pub cleanup_interval_ms: u64,
+    /// Most buckets kept in memory.
+    pub buckets_max: usize,
 }
 
-impl DropletArgs {
-    /// The buckets these flags describe, with a sweeper reclaiming the memory
-    /// of forgotten ones every `sweep_interval_ms`.
-    pub fn buckets(
-        &self,
-        stripes: usize,
-        clock: &Arc<dyn Clock>,
-        sweep_interval_ms: u64,
-        sweep_entries_per_tick: usize,
-    ) -> std::io::Result<Arc<Buckets>> {
-        let buckets = Arc::new(Buckets::new(BucketsConfig {
-            stripes,
-            buckets_max: self.droplet_buckets_max,
-            cleanup_interval_ms: self.droplet_cleanup_interval_ms,
-        }));
-        buckets.spawn_sweeper(Arc::clone(clock), sweep_interval_ms, sweep_entries_per_tick)?;
-        Ok(buckets)
-    }
-
-    /// Starts the WebSocket endpoint on `threads` threads when
-    /// `--droplet-listen` was given.
-    pub fn serve(
-        &self,
-        buckets: Arc<Buckets>,
-        clock: Arc<dyn Clock>,
-        threads: usize,
-        connections_max: usize,
-        drain_timeout_ms: u64,
-    ) -> std::io::Result<Option<RunningDroplet>> {
-        let Some(listen) = self.droplet_listen else {
-            return Ok(None);
-        };
-        let config = DropletServerConfig {
-            listen,
-            threads,
-            message_bytes_max: self.droplet_message_bytes_max,
-            connections_max,
-            drain_timeout_ms,
-        };
-        let server = DropletServer::bind(config, buckets, clock).map_err(|error| {
-            std::io::Error::new(error.kind(), format!("cannot listen on {listen}: {error}"))
-        })?;
-        server.spawn().map(Some)
+impl Default for DropletConfig {
+    fn default() -> Self {
+        DropletConfig {
+            listen: None,
+            message_bytes_max: DropletServerConfig::default().message_bytes_max,
+            cleanup_interval_ms: BucketsConfig::default().cleanup_interval_ms,
+            buckets_max: BucketsConfig::default().buckets_max,
+        }
     }
 }
 
@@ -170,21 +118,17 @@ impl Buckets {
         }
     }
 
-    /// Starts reclaiming the memory of forgotten buckets (`sweep_entries_per_tick`
-    /// examined every `sweep_interval_ms`). Forgetting itself needs no
-    /// sweeper: a forgotten bucket already reads as absent.
+    /// Starts reclaiming the memory of forgotten buckets (`entries_per_tick`
+    /// examined every `tick`), until the buckets are dropped. Forgetting
+    /// itself needs no sweeper: a forgotten bucket already reads as absent.
     pub fn spawn_sweeper(
         &self,
         clock: Arc<dyn Clock>,
-        sweep_interval_ms: u64,
-        sweep_entries_per_tick: usize,
+        tick: Duration,
+        entries_per_tick: usize,
     ) -> std::io::Result<()> {
         self.store
-            .spawn_sweeper(
-                clock,
-                Duration::from_millis(sweep_interval_ms.max(1)),
-                sweep_entries_per_tick.max(1),
-            )
+            .spawn_sweeper(clock, tick, entries_per_tick)
             .map(drop)
     }
 

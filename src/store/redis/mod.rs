@@ -27,7 +27,7 @@ use std::time::Duration;
 pub use persist::{PersistConfig, Persistence};
 
 /// Where counters live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BackendKind {
     /// In this process's memory (the default).
     #[default]
@@ -36,55 +36,51 @@ pub enum BackendKind {
     Redis,
 }
 
-/// Flags of the Redis backend and of Redis persistence (flattened into
-/// `tollgate serve`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct RedisArgs {
-    /// Where counters live: `memory`, or `redis` (divvy's Redis and key layout).
-    #[arg(long, value_enum, default_value_t = BackendKind::Memory)]
+/// The Redis backend and Redis persistence, as divvy's environment and
+/// `tollgate serve`'s flags give them (docs/redis.md). Values divvy read from
+/// the environment are kept as text and checked only when used, so that an
+/// unrelated `REDIS_PORT` never stops the memory backend.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// Where counters live.
     pub backend: BackendKind,
-
-    /// Redis host of the redis backend, as divvy reads it.
-    #[arg(long, env = "REDIS_HOST", default_value = "localhost")]
+    /// The redis backend's host (`REDIS_HOST`).
     pub redis_host: String,
-
-    /// Redis port of the redis backend, as divvy reads it (read only with
-    /// --backend redis, so that an unrelated REDIS_PORT, such as the
-    /// `tcp://…` that Kubernetes sets, never stops the memory backend).
-    #[arg(long, env = "REDIS_PORT", default_value = "6379")]
+    /// The redis backend's port, as text (`REDIS_PORT`); read only with the
+    /// redis backend.
     pub redis_port: String,
-
-    /// Redis URL of the redis backend, for a password, a database or TLS
-    /// (`redis://[user:password@]host:port/db`, `rediss://…`); overrides
-    /// REDIS_HOST and REDIS_PORT.
-    #[arg(long, value_name = "URL")]
+    /// The redis backend's URL, for a password, a database or TLS; overrides
+    /// host and port.
     pub redis_url: Option<String>,
-
-    /// Longest a hit waits for its backend (Redis) before it is answered
-    /// `ERR` or by --unavailable-policy, in milliseconds.
-    #[arg(long, default_value_t = 1_000)]
+    /// Longest a hit waits for Redis, in milliseconds.
     pub backend_timeout_ms: u64,
-
-    /// Persist the in-memory counters to this Redis (URL): written every
-    /// --persist-interval-ms, loaded at start, written fully at shutdown.
-    #[arg(long, value_name = "URL")]
+    /// Persist the in-memory counters to this Redis (URL).
     pub persist_redis: Option<String>,
-
     /// How often persistence writes a batch of counters, in milliseconds.
-    #[arg(long, default_value_t = persist::DEFAULT_INTERVAL_MS)]
     pub persist_interval_ms: u64,
-
-    /// Most counters persistence writes per interval (bounds its cost; a full
-    /// pass over N counters takes ceil(N / this) intervals).
-    #[arg(long, default_value_t = persist::DEFAULT_COUNTERS_PER_TICK)]
+    /// Most counters persistence writes per interval.
     pub persist_counters_per_tick: usize,
-
     /// Prefix of persisted counter keys (one per deployment sharing a Redis).
-    #[arg(long, default_value = persist::DEFAULT_KEY_PREFIX)]
     pub persist_key_prefix: String,
 }
 
-impl RedisArgs {
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            backend: BackendKind::Memory,
+            redis_host: "localhost".into(),
+            redis_port: "6379".into(),
+            redis_url: None,
+            backend_timeout_ms: 1_000,
+            persist_redis: None,
+            persist_interval_ms: persist::DEFAULT_INTERVAL_MS,
+            persist_counters_per_tick: persist::DEFAULT_COUNTERS_PER_TICK,
+            persist_key_prefix: persist::DEFAULT_KEY_PREFIX.into(),
+        }
+    }
+}
+
+impl RedisConfig {
     /// The backend's Redis: `--redis-url`, else REDIS_HOST and REDIS_PORT.
     pub fn backend_connection_info(&self) -> Result<ConnectionInfo, RedisSetupError> {
         match &self.redis_url {
@@ -197,12 +193,12 @@ impl RedisBackend {
     /// Connects (without waiting long: an unreachable Redis is reported and
     /// retried, not fatal) and checks that Redis can serve `rules`.
     pub fn start(
-        args: &RedisArgs,
+        redis: &RedisConfig,
         rules: &RuleSet,
         metrics: Arc<Metrics>,
     ) -> Result<RedisBackend, RedisSetupError> {
         check_rules(rules)?;
-        let connection_info = args.backend_connection_info()?;
+        let connection_info = redis.backend_connection_info()?;
         let config = ClientConfig {
             health: HealthBoard::new(
                 "redis backend",
@@ -211,8 +207,8 @@ impl RedisBackend {
             ),
             connection_info,
             connections: 1,
-            connect_timeout_ms: args.backend_timeout_ms.max(1_000),
-            ping_timeout_ms: args.backend_timeout_ms.max(500),
+            connect_timeout_ms: redis.backend_timeout_ms.max(1_000),
+            ping_timeout_ms: redis.backend_timeout_ms.max(500),
             scripts: vec![HIT_SCRIPT, PEEK_SCRIPT],
         };
         Ok(RedisBackend {
@@ -221,7 +217,7 @@ impl RedisBackend {
             thread_client_config: config,
             hit_script: Arc::new(LoadedScript::new(HIT_SCRIPT)),
             peek_script: Arc::new(LoadedScript::new(PEEK_SCRIPT)),
-            backend_timeout_ms: args.backend_timeout_ms.max(1),
+            backend_timeout_ms: redis.backend_timeout_ms.max(1),
             metrics,
         })
     }
@@ -365,33 +361,37 @@ mod tests {
 
     #[test]
     fn the_backend_target_comes_from_divvys_environment_or_a_url() {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            redis: RedisArgs,
-        }
-        let args = Cli::parse_from(["t", "--redis-host", "10.0.0.7", "--redis-port", "6380"]).redis;
-        let info = args.backend_connection_info().unwrap();
+        let config = |edit: fn(&mut RedisConfig)| {
+            let mut config = RedisConfig::default();
+            edit(&mut config);
+            config
+        };
+        let info = config(|c| {
+            c.redis_host = "10.0.0.7".into();
+            c.redis_port = "6380".into();
+        })
+        .backend_connection_info()
+        .unwrap();
         assert_eq!(client::describe_target(&info), "10.0.0.7:6380");
-        let args = Cli::parse_from(["t", "--redis-url", "redis://:secret@db.example:6390/3"]).redis;
-        let info = args.backend_connection_info().unwrap();
+        let info = config(|c| c.redis_url = Some("redis://:secret@db.example:6390/3".into()))
+            .backend_connection_info()
+            .unwrap();
         assert_eq!(info.redis.password.as_deref(), Some("secret"));
         assert_eq!(client::describe_target(&info), "db.example:6390/3");
-        let args = Cli::parse_from(["t", "--redis-port", "tcp://10.0.0.7:6379"]).redis;
         assert!(matches!(
-            args.backend_connection_info(),
+            config(|c| c.redis_port = "tcp://10.0.0.7:6379".into()).backend_connection_info(),
             Err(RedisSetupError::BadPort(_))
         ));
-        let args = Cli::parse_from(["t", "--redis-url", "http://nope"]).redis;
         assert!(matches!(
-            args.backend_connection_info(),
+            config(|c| c.redis_url = Some("http://nope".into())).backend_connection_info(),
             Err(RedisSetupError::BadUrl(_))
         ));
-        let args =
-            Cli::parse_from(["t", "--backend", "redis", "--persist-redis", "redis://x"]).redis;
         assert!(matches!(
-            args.persist_config(),
+            config(|c| {
+                c.backend = BackendKind::Redis;
+                c.persist_redis = Some("redis://x".into());
+            })
+            .persist_config(),
             Err(RedisSetupError::PersistWithRedisBackend)
         ));
     }

@@ -14,18 +14,19 @@
 //!
 //! What can be lost: on a crash, the hits a counter took since it was last
 //! written (at most one full pass, normally one interval). A rule's counters
-//! are keyed by what identifies them across restarts (algorithm, limits,
-//! canonical operation), never by the process-local counter identity:
+//! are keyed by what identifies them, in words (algorithm, limits, canonical
+//! operation), rather than by the rule's hashed counter id, so that Redis
+//! keys stay readable:
 //! `<prefix><algorithm>:<limit>:<seconds>:<operation length>:<operation>:<actor>`
 //! holding `<window end, ms since the epoch>:<hits used>`. The length prefix
 //! makes keys parse back unambiguously whatever the operation and actor hold.
 
 use super::client::{ClientConfig, HealthBoard, Lease, RedisClient};
 use super::RedisSetupError;
-use crate::engine::Engine;
-use crate::limiter::{CounterState, WindowQuota};
-use crate::rules::{Quota, Rule, RuleSet};
-use crate::store::{memory_key, CounterOp, MemoryStore};
+use crate::clock::Clock;
+use crate::limiter::CounterState;
+use crate::rules::{CounterId, CurrentRules, Quota, Rule, RuleSet};
+use crate::store::MemoryStore;
 use redis::{ConnectionInfo, Value};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -99,12 +100,14 @@ pub struct Persistence {
 impl Persistence {
     /// Connects, loads the persisted counters into `store` (blocking, before
     /// the caller starts serving), then writes counters every interval.
-    /// An unreachable Redis is not fatal: it is logged, nothing is loaded,
-    /// and writing starts when Redis is reachable.
+    /// `rules` says which rules own counters now (a reload may change them),
+    /// `clock` what time it is. An unreachable Redis is not fatal: it is
+    /// logged, nothing is loaded, and writing starts when Redis is reachable.
     pub fn start(
         config: PersistConfig,
         store: Arc<MemoryStore>,
-        engine: Arc<Engine>,
+        rules: Arc<dyn CurrentRules>,
+        clock: Arc<dyn Clock>,
     ) -> Result<Persistence, RedisSetupError> {
         let client = RedisClient::start(ClientConfig {
             connection_info: config.connection_info.clone(),
@@ -118,7 +121,8 @@ impl Persistence {
         let writer = Writer {
             client: client.clone(),
             store,
-            engine,
+            rules,
+            clock,
             config,
             stats: Arc::clone(&stats),
             cursor: 0,
@@ -181,7 +185,8 @@ impl Persistence {
 struct Writer {
     client: RedisClient,
     store: Arc<MemoryStore>,
-    engine: Arc<Engine>,
+    rules: Arc<dyn CurrentRules>,
+    clock: Arc<dyn Clock>,
     config: PersistConfig,
     stats: Arc<PersistStats>,
     /// Next stripe to write.
@@ -219,7 +224,7 @@ impl WrittenStates {
     /// A full pass ended: drop what has expired; now and then, everything.
     fn pass_done(&mut self, now_ms: u64) {
         self.passes += 1;
-        if self.passes % FULL_REWRITE_PASSES == 0 {
+        if self.passes.is_multiple_of(FULL_REWRITE_PASSES) {
             self.forget();
         } else {
             self.by_key_hash
@@ -273,9 +278,9 @@ impl Writer {
         if self.client.lease().is_none() {
             return Err(PersistError::Redis(self.client.not_connected().to_string()));
         }
-        let rules = self.engine.rules();
-        let by_identity = PersistedRules::new(&rules.set);
-        let now_ms = self.engine.clock().now_ms();
+        let rules = self.rules.current();
+        let persisted_rules = PersistedRules::new(&rules);
+        let now_ms = self.clock.now_ms();
         let pattern = format!("{}*", escape_glob(&self.config.key_prefix));
         let mut cursor: u64 = 0;
         let mut loaded = 0;
@@ -305,22 +310,11 @@ impl Writer {
                         tracing::debug!("skipping a persisted counter that does not parse");
                         continue;
                     };
-                    let Some(rule) = by_identity.find(&counter) else {
+                    let Some(rule) = persisted_rules.find(&counter) else {
                         continue; // its rule is gone (or its limits changed): fresh counters
                     };
-                    let Some(quota) = WindowQuota::new(counter.credit_limit, counter.reset_seconds)
-                    else {
-                        continue;
-                    };
-                    memory_key(
-                        &mut key_buf,
-                        &CounterOp {
-                            rule,
-                            actor: counter.actor,
-                            quota,
-                            peek: false,
-                        },
-                    );
+                    rule.counter_id
+                        .write_key(&mut key_buf, counter.actor.as_bytes());
                     if state.expires_at_ms() <= now_ms {
                         continue;
                     }
@@ -370,9 +364,9 @@ impl Writer {
     /// many stripes were visited.
     async fn write_step(&mut self, budget: usize) -> (Result<u64, PersistError>, usize) {
         let started = Instant::now();
-        let now_ms = self.engine.clock().now_ms();
-        let rules = self.engine.rules();
-        let heads = PersistedRules::new(&rules.set).key_heads(&self.config.key_prefix);
+        let now_ms = self.clock.now_ms();
+        let rules = self.rules.current();
+        let heads = PersistedRules::new(&rules).key_heads(&self.config.key_prefix);
         let mut copied: Vec<(Vec<u8>, CounterState)> = Vec::new();
         let (next, stripes) =
             self.store
@@ -405,10 +399,10 @@ impl Writer {
                     skipped += 1;
                     continue;
                 }
-                let Some((identity, actor)) = split_memory_key(key) else {
+                let Some((counter_id, actor)) = CounterId::split_key(key) else {
                     continue;
                 };
-                let Some(head) = heads.get(&identity) else {
+                let Some(head) = heads.get(&counter_id) else {
                     continue; // the rule was removed by a reload
                 };
                 let Some((value, ttl_ms)) = encode_value(*state, now_ms) else {
@@ -526,29 +520,29 @@ impl Writer {
     }
 }
 
-/// The current rules that own counters, by what identifies their counters
-/// in memory (process-local) and in Redis (stable).
+/// The current rules that own counters, by their counter id (the head of
+/// their counters' keys in memory).
 struct PersistedRules<'r> {
-    by_identity: HashMap<u32, &'r Rule>,
+    by_counter_id: HashMap<CounterId, &'r Rule>,
 }
 
 impl<'r> PersistedRules<'r> {
     fn new(rules: &'r RuleSet) -> PersistedRules<'r> {
         PersistedRules {
-            by_identity: rules
+            by_counter_id: rules
                 .rules()
                 .iter()
                 .filter(|rule| matches!(rule.quota, Quota::Limited { .. }))
-                .map(|rule| (rule.counter_identity, rule))
+                .map(|rule| (rule.counter_id, rule))
                 .collect(),
         }
     }
 
     /// The persisted key of each rule up to the actor.
-    fn key_heads(&self, prefix: &str) -> HashMap<u32, String> {
-        self.by_identity
+    fn key_heads(&self, prefix: &str) -> HashMap<CounterId, String> {
+        self.by_counter_id
             .iter()
-            .filter_map(|(&identity, rule)| {
+            .filter_map(|(&counter_id, rule)| {
                 let Quota::Limited {
                     credit_limit,
                     reset_seconds,
@@ -558,7 +552,7 @@ impl<'r> PersistedRules<'r> {
                 };
                 let operation = &rule.canonical_operation;
                 Some((
-                    identity,
+                    counter_id,
                     format!(
                         "{prefix}{}:{credit_limit}:{reset_seconds}:{}:{operation}:",
                         rule.algorithm.as_str(),
@@ -571,15 +565,13 @@ impl<'r> PersistedRules<'r> {
 
     /// The rule a persisted counter belongs to, if it still exists.
     fn find(&self, counter: &PersistedKey<'_>) -> Option<&'r Rule> {
-        self.by_identity.values().copied().find(|rule| {
-            rule.algorithm.as_str() == counter.algorithm
-                && *rule.canonical_operation == *counter.operation
-                && rule.quota
-                    == Quota::Limited {
-                        credit_limit: counter.credit_limit,
-                        reset_seconds: counter.reset_seconds,
-                    }
-        })
+        let counter_id = CounterId::of(
+            counter.operation,
+            counter.credit_limit,
+            counter.reset_seconds.saturating_mul(1000),
+            counter.algorithm,
+        );
+        self.by_counter_id.get(&counter_id).copied()
     }
 }
 
@@ -636,13 +628,6 @@ fn parse_value(value: &[u8]) -> Option<CounterState> {
     })
 }
 
-/// Splits an in-memory key into the rule's counter identity and the actor
-/// (the inverse of [`memory_key`]).
-fn split_memory_key(key: &[u8]) -> Option<(u32, &[u8])> {
-    let identity = u32::from_le_bytes(key.get(..4)?.try_into().ok()?);
-    Some((identity, &key[4..]))
-}
-
 /// Escapes Redis glob characters, so a prefix matches only itself.
 fn escape_glob(text: &str) -> String {
     let mut escaped = String::with_capacity(text.len());
@@ -668,7 +653,7 @@ mod tests {
         let persisted = PersistedRules::new(&rules);
         let heads = persisted.key_heads("p:");
         for rule in rules.rules() {
-            let head = &heads[&rule.counter_identity];
+            let head = &heads[&rule.counter_id];
             let key = format!("{head}x:y:z");
             let parsed = PersistedKey::parse(key.strip_prefix("p:").unwrap().as_bytes()).unwrap();
             assert_eq!(parsed.actor, "x:y:z");
@@ -680,26 +665,6 @@ mod tests {
         }
         assert_eq!(PersistedKey::parse(b"fixed-window:1:1:99:short:a"), None);
         assert_eq!(PersistedKey::parse(b"fixed-window:x:1:0::a"), None);
-    }
-
-    #[test]
-    fn memory_keys_split_into_identity_and_actor() {
-        let rules = RuleSet::embedded_default();
-        let rule = &rules.rules()[1];
-        let mut key = Vec::new();
-        memory_key(
-            &mut key,
-            &CounterOp {
-                rule,
-                actor: "1.2.3.4",
-                quota: WindowQuota::new(3, 3600).unwrap(),
-                peek: false,
-            },
-        );
-        assert_eq!(
-            split_memory_key(&key),
-            Some((rule.counter_identity, b"1.2.3.4".as_slice()))
-        );
     }
 
     #[test]

@@ -1,0 +1,19 @@
+//! Real multi-node clusters of `tollgate` processes on loopback: replication,
+//! failover, partitions (through fault-injection proxies), membership changes
+//! and moving shards without errors,
+//! rolling restarts, chaos, and the peer port's authentication
+//! (`cluster_support` starts and stops them; every wait is bounded).
+
+// A test stops at the first thing that is not as it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod cluster_support;
+
+mod test_auth;
+mod test_basic;
+mod test_chaos;
+mod test_failover;
+mod test_membership;
+mod test_moves;
+mod test_partition;
+mod test_rolling;

@@ -1,0 +1,266 @@
+//! Three real nodes on loopback: any node answers as a single node would,
+//! `tollgate cluster status` shows the cluster, nodes with different rules
+//! refuse each other, and many clients on all nodes never over-admit.
+
+use crate::cluster_support::*;
+use std::time::Duration;
+
+/// A transcript touching several rules (canary included), the three
+/// algorithms, actors and limits, including denials.
+fn transcript() -> Vec<String> {
+    let mut lines = Vec::new();
+    for round in 0..8 {
+        for user in ["ann", "bob", "cy"] {
+            lines.push(format!("HIT path=/limited user={user}"));
+            lines.push(format!("HIT path=/canary-{round} user={user}"));
+        }
+        for ip in 0..4 {
+            lines.push(format!("HIT path=/other ip=10.0.0.{ip}"));
+        }
+        lines.push("PEEK path=/limited user=ann".to_string());
+        lines.push("HIT path=/big user=ann".to_string());
+        // Token bucket and sliding window, decided by the shard's leader
+        // with the rule's algorithm; denials from round 4 on.
+        for user in ["ann", "bob"] {
+            lines.push(format!("HIT path=/bucket user={user}"));
+            lines.push(format!("HIT path=/sliding user={user}"));
+        }
+        lines.push("PEEK path=/bucket user=ann".to_string());
+        lines.push("PEEK path=/sliding user=bob".to_string());
+    }
+    lines
+}
+
+#[test]
+fn any_node_answers_as_a_single_node_would() {
+    let cluster = TestCluster::start(3, 8, &[]);
+    let single = SingleNode::start(&cluster.rules_path);
+    let clients = cluster.clients();
+    let lines = transcript();
+    // One connection per node, lines sent round-robin, one at a time.
+    let mut conns: Vec<Conn> = clients.iter().map(|&a| Conn::open(a).unwrap()).collect();
+    let mut reference = Conn::open(single.addr).unwrap();
+    for (i, line) in lines.iter().enumerate() {
+        let got = conns[i % 3].pipeline(std::slice::from_ref(line));
+        let want = reference.pipeline(std::slice::from_ref(line));
+        let (got, want) = (got.first().cloned(), want.first().cloned());
+        let parsed = (
+            got.as_deref().and_then(parse_ok),
+            want.as_deref().and_then(parse_ok),
+        );
+        match parsed {
+            (Some((g_allowed, g_credit, g_reset)), Some((w_allowed, w_credit, w_reset))) => {
+                assert_eq!(
+                    (g_allowed, g_credit),
+                    (w_allowed, w_credit),
+                    "line {i} {line:?}: cluster {got:?}, single {want:?}"
+                );
+                // Windows opened a few ms apart may round to adjacent seconds.
+                assert!(
+                    (g_reset - w_reset).abs() <= 1,
+                    "line {i}: {got:?} vs {want:?}"
+                );
+            }
+            _ => panic!("line {i} {line:?}: cluster {got:?}, single {want:?}"),
+        }
+    }
+}
+
+#[test]
+fn cluster_status_shows_nodes_shards_leaders_and_lag() {
+    let cluster = TestCluster::start(3, 8, &[]);
+    // Write something so followers have something to lag behind.
+    let lines: Vec<String> = (0..50)
+        .map(|i| format!("HIT path=/big user=u{i}"))
+        .collect();
+    assert_eq!(converse(cluster.client(2), &lines).len(), 50);
+    for id in 1..=3 {
+        let output = std::process::Command::new(TOLLGATE)
+            .args(["cluster", "status", "--check", "--node"])
+            .arg(cluster.client(id).to_string())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "node {id}: {text}");
+        assert!(
+            text.contains("3 nodes, 8 shards x 3 replicas, consistency strict"),
+            "{text}"
+        );
+        assert!(text.contains(&format!("answered by node {id}")), "{text}");
+        for node in 1..=3 {
+            assert!(text.contains(&cluster.client(node).to_string()), "{text}");
+        }
+        // Eight shard rows, each with a leader and a lag entry per follower.
+        let rows: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("SHARD"))
+            .skip(1)
+            .collect();
+        assert_eq!(rows.len(), 8, "{text}");
+        for row in rows {
+            let columns: Vec<&str> = row.split_whitespace().collect();
+            assert!(columns[1].parse::<u64>().is_ok(), "no leader: {row}");
+            assert_eq!(columns[4..].len(), 2, "lag of two followers: {row}");
+        }
+    }
+    // The JSON form names the leaders' client addresses.
+    let topology = cluster.topology().unwrap();
+    for shard in 0..8 {
+        assert!(topology.leader_client(shard).is_some());
+    }
+}
+
+#[test]
+fn a_node_with_different_rules_is_refused_with_a_clear_error() {
+    let mut cluster = TestCluster::start(3, 4, &[]);
+    cluster.kill(3);
+    let other_rules = cluster.dir.path().join("other.ini");
+    std::fs::write(
+        &other_rules,
+        "[default]\ncreditLimit = 7\nresetSeconds = 60\n",
+    )
+    .unwrap();
+    cluster.spawn(3, Some(&other_rules));
+    let status = cluster
+        .wait_exit(3, Duration::from_secs(15))
+        .expect("a node with different rules exits");
+    assert!(!status.success());
+    let log = cluster.log(3);
+    assert!(
+        log.contains("rules differ") && log.contains("identical on every node"),
+        "{log}"
+    );
+    // The refusing side says so too.
+    assert!(cluster.log(1).contains("rules differ") || cluster.log(2).contains("rules differ"));
+}
+
+/// Many clients spread over all nodes hammer one actor with limit L.
+fn hammer_one_actor(args: &[&str]) -> (usize, usize) {
+    let cluster = TestCluster::start(3, 8, args);
+    let clients = cluster.clients();
+    let limit = 200;
+    let per_client = 150;
+    let threads: Vec<_> = (0..9)
+        .map(|i| {
+            let addr = clients[i % 3];
+            std::thread::spawn(move || {
+                let mut conn = Conn::open(addr).unwrap();
+                let mut allowed = 0;
+                let mut answered = 0;
+                for _ in 0..per_client / 10 {
+                    let lines = vec!["HIT path=/limited user=hot".to_string(); 10];
+                    for answer in conn.pipeline(&lines) {
+                        answered += 1;
+                        if answer.starts_with("OK true") {
+                            allowed += 1;
+                        }
+                    }
+                }
+                (allowed, answered)
+            })
+        })
+        .collect();
+    let (mut allowed, mut answered) = (0, 0);
+    for thread in threads {
+        let (a, n) = thread.join().unwrap();
+        allowed += a;
+        answered += n;
+    }
+    assert_eq!(answered, 9 * per_client, "every hit answered");
+    (allowed, limit)
+}
+
+#[test]
+fn strict_mode_admits_exactly_the_limit() {
+    let (allowed, limit) = hammer_one_actor(&[]);
+    assert_eq!(allowed, limit);
+}
+
+#[test]
+fn fast_mode_admits_exactly_the_limit_without_failures() {
+    let (allowed, limit) = hammer_one_actor(&["--consistency", "fast"]);
+    assert_eq!(allowed, limit);
+}
+
+#[test]
+fn the_cluster_client_goes_straight_to_each_shards_leader() {
+    let cluster = TestCluster::start(3, 8, &[]);
+    let rules = tollgate::rules::RuleSet::from_ini(RULES).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let seed = cluster.client(3).to_string();
+        let mut client = tollgate::cluster::ClusterClient::connect(&seed, rules)
+            .await
+            .unwrap();
+        let topology = client.topology().clone();
+        let mut shards_seen = std::collections::BTreeSet::new();
+        for i in 0..40 {
+            let user = format!("c{i}");
+            let pairs = [("path", "/limited"), ("user", user.as_str())];
+            let shard = client.shard_of(&pairs).unwrap();
+            shards_seen.insert(shard);
+            assert_eq!(
+                client.route(&pairs).as_deref(),
+                topology.leader_client(shard),
+                "user {user}"
+            );
+            for expected_credit in [199, 198] {
+                match client.hit(&pairs).await.unwrap() {
+                    tollgate::client::Response::Ok {
+                        allowed, credit, ..
+                    } => {
+                        assert!(allowed);
+                        assert_eq!(credit, expected_credit);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert!(shards_seen.len() >= 6, "40 users cover most of 8 shards");
+        // The default rule (5 per minute per ip) has a counter too.
+        assert!(client.shard_of(&[("ip", "1.2.3.4")]).is_some());
+    });
+}
+
+#[test]
+fn a_reload_with_rules_other_than_the_clusters_is_refused() {
+    let cluster = TestCluster::start(3, 4, &[]);
+    let other = RULES.replace("creditLimit = 200", "creditLimit = 7");
+    std::fs::write(&cluster.rules_path, other).unwrap();
+    let pid = cluster.nodes[0].pid().expect("node 1 runs");
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = cluster.log(1);
+        if log.contains("reload refused") {
+            assert!(
+                log.contains("differ from the rules the cluster runs with"),
+                "{log}"
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no refusal: {log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Node 1 still serves the cluster's rules (limit 200, not 7).
+    let answers = converse(
+        cluster.client(1),
+        &(0..8)
+            .map(|_| "HIT path=/limited user=reload".to_string())
+            .collect::<Vec<_>>(),
+    );
+    for answer in &answers {
+        assert_eq!(
+            parse_ok(answer).map(|(allowed, _, _)| allowed),
+            Some(true),
+            "{answers:?}"
+        );
+    }
+}

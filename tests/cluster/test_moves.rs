@@ -1,0 +1,361 @@
+//! Shards moving under load cost latency, never errors, on real processes:
+//! with 64 shards and fresh actors in every request (so every shard is hit,
+//! including shards whose new replica has not caught up yet), a fourth node
+//! joins and a node leaves while clients talk to every node, the new one
+//! included; and a handover whose successor is killed before it can take
+//! over ends with the old leader leading on, then handing over elsewhere.
+//! Also: one read batch whose hits span every shard (some decided on the
+//! receiving node, the others forwarded to each peer) is answered hit by
+//! hit, in request order.
+
+use crate::cluster_support::*;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What the load threads saw.
+#[derive(Default, Debug)]
+struct Seen {
+    ok: u64,
+    /// Error answers and lost connections: (entry node, text).
+    errors: Vec<(u64, String)>,
+}
+
+/// Hits `/big` through `addr` until `stop`, 16 pipelined requests at a
+/// time, each for an actor never used before (from `pick`), so that over
+/// time every shard is hit.
+fn load(
+    node: u64,
+    addr: SocketAddr,
+    pick: Arc<dyn Fn(u64) -> String + Send + Sync>,
+    counter: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Seen>>,
+) {
+    let mut conn: Option<Conn> = None;
+    while !stop.load(Ordering::Relaxed) {
+        if conn.is_none() {
+            conn = Conn::open(addr).ok();
+        }
+        let Some(c) = conn.as_mut() else {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        };
+        let batch: Vec<String> = (0..16)
+            .map(|_| {
+                format!(
+                    "HIT path=/big user={}",
+                    pick(counter.fetch_add(1, Ordering::Relaxed))
+                )
+            })
+            .collect();
+        let answers = c.pipeline(&batch);
+        let mut seen = seen.lock().unwrap();
+        for answer in &answers {
+            match parse_ok(answer) {
+                Some((true, _, _)) => seen.ok += 1,
+                Some((false, _, _)) => panic!("a /big hit was denied: {answer}"),
+                None => seen.errors.push((node, answer.clone())),
+            }
+        }
+        if answers.len() < batch.len() {
+            seen.errors.push((node, "connection closed".into()));
+            conn = None;
+        }
+        drop(seen);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn spawn_load(
+    node: u64,
+    addr: SocketAddr,
+    pick: Arc<dyn Fn(u64) -> String + Send + Sync>,
+    counter: &Arc<AtomicU64>,
+    stop: &Arc<AtomicBool>,
+    seen: &Arc<Mutex<Seen>>,
+) -> std::thread::JoinHandle<()> {
+    let (counter, stop, seen) = (Arc::clone(counter), Arc::clone(stop), Arc::clone(seen));
+    std::thread::spawn(move || load(node, addr, pick, counter, stop, seen))
+}
+
+fn peek_credit(addr: SocketAddr, path: &str, user: &str) -> (bool, i64) {
+    let answers = converse(addr, &[format!("PEEK path={path} user={user}")]);
+    let (allowed, credit, _) = answers
+        .first()
+        .and_then(|a| parse_ok(a))
+        .unwrap_or_else(|| panic!("PEEK via {addr}: {answers:?}"));
+    (allowed, credit)
+}
+
+#[test]
+fn no_errors_while_a_node_joins_and_another_leaves_under_load_on_every_node() {
+    let mut cluster = TestCluster::start(3, 64, &[]);
+    cluster.wait_healthy(Duration::from_secs(20));
+    let keeper: Vec<String> = (0..150)
+        .map(|_| "HIT path=/limited user=keeper".to_string())
+        .collect();
+    let answers = converse(cluster.client(1), &keeper);
+    assert_eq!(
+        answers.iter().filter(|a| a.starts_with("OK true")).count(),
+        150
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let counter = Arc::new(AtomicU64::new(0));
+    let fresh: Arc<dyn Fn(u64) -> String + Send + Sync> = Arc::new(|n| format!("fresh{n}"));
+    let mut threads: Vec<_> = (1..=3)
+        .map(|id| {
+            spawn_load(
+                id,
+                cluster.client(id),
+                Arc::clone(&fresh),
+                &counter,
+                &stop,
+                &seen,
+            )
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Node 4 joins; clients use it as soon as it serves (before any shard
+    // moved to it, and while its new replicas catch up).
+    let newcomer = cluster.start_joining_node();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tollgate::cluster::status::fetch_topology(
+        &cluster.client(newcomer).to_string(),
+        Duration::from_secs(1),
+    )
+    .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "node 4 did not serve: {}",
+            cluster.log(newcomer)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    threads.push(spawn_load(
+        newcomer,
+        cluster.client(newcomer),
+        Arc::clone(&fresh),
+        &counter,
+        &stop,
+        &seen,
+    ));
+    std::thread::sleep(Duration::from_millis(300));
+    let client4 = cluster.client(newcomer).to_string();
+    let peer4 = cluster.nodes[3].peer.to_string();
+    let (ok, text) = cluster.admin(
+        1,
+        &["add-node", "4", "--client", &client4, "--peer", &peer4],
+    );
+    assert!(ok, "add-node failed: {text}");
+    let topology = cluster.wait_settled(2, &[1, 2, 3, 4], Duration::from_secs(90));
+    let on_new = topology
+        .placement
+        .iter()
+        .filter(|s| s.replicas.contains(&4))
+        .count();
+    assert!(on_new > 20, "only {on_new} of 64 shards moved to node 4");
+    let after_add = seen.lock().unwrap().ok;
+
+    // Node 2 leaves; it keeps serving its clients until it is stopped.
+    let (ok, text) = cluster.admin(3, &["remove-node", "2"]);
+    assert!(ok, "remove-node failed: {text}");
+    let topology = cluster.wait_settled(3, &[1, 3, 4], Duration::from_secs(90));
+    assert!(topology
+        .placement
+        .iter()
+        .all(|s| !s.replicas.contains(&2) && s.leader != Some(2)));
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    assert!(
+        seen.errors.is_empty(),
+        "{} errors while shards moved: {:?}",
+        seen.errors.len(),
+        &seen.errors[..seen.errors.len().min(20)]
+    );
+    assert!(
+        after_add > 1_000 && seen.ok > after_add,
+        "too little load: {seen:?}"
+    );
+    for id in [1, 3, 4] {
+        assert_eq!(
+            peek_credit(cluster.client(id), "/limited", "keeper"),
+            (true, 49),
+            "node {id}"
+        );
+    }
+    eprintln!(
+        "{} hits, 0 errors; {on_new} shards moved to node 4",
+        seen.ok
+    );
+}
+
+/// How the successor of the handovers is lost.
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    /// SIGKILL: its links break, the handover fails at once.
+    Kill,
+    /// Blackholed links: it looks up (connected) until the liveness
+    /// timeout, so the handover stops deciding, asks it to stand, and
+    /// waits for an answer that never comes.
+    Blackhole,
+}
+
+fn handover_to_a_lost_successor(loss: Loss) {
+    let mut cluster = match loss {
+        Loss::Kill => TestCluster::start(4, 16, &[]),
+        Loss::Blackhole => TestCluster::start_proxied(4, 16, &[]),
+    };
+    let topology = cluster.wait_healthy(Duration::from_secs(20));
+    // Actors of the shards node 1 leads, so that losing node 2 breaks no
+    // hit in flight: every hit goes to node 1, or to its successor.
+    let led_by_1: Vec<u32> = topology
+        .placement
+        .iter()
+        .filter(|s| s.leader == Some(1))
+        .map(|s| s.shard)
+        .collect();
+    assert!(!led_by_1.is_empty(), "node 1 leads nothing");
+    let mut actors = Vec::new();
+    for i in 0.. {
+        let user = format!("h{i}");
+        if led_by_1.contains(&shard_of_user(16, "path=/big", 1_000_000, 600, &user)) {
+            actors.push(user);
+        }
+        if actors.len() == 400 {
+            break;
+        }
+    }
+    let actors = Arc::new(actors);
+    let pick: Arc<dyn Fn(u64) -> String + Send + Sync> = {
+        let actors = Arc::clone(&actors);
+        Arc::new(move |n| actors[n as usize % actors.len()].clone())
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let counter = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = [3, 4]
+        .iter()
+        .map(|&id| {
+            spawn_load(
+                id,
+                cluster.client(id),
+                Arc::clone(&pick),
+                &counter,
+                &stop,
+                &seen,
+            )
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // Node 2 is lost just as node 1 leaves: node 1 hands each shard to the
+    // lowest-numbered target voter, node 2 where it is one.
+    match loss {
+        Loss::Kill => cluster.kill(2),
+        Loss::Blackhole => cluster.isolate(2, Fault::Blackhole),
+    }
+    let (ok, text) = cluster.admin(3, &["remove-node", "1"]);
+    assert!(ok, "remove-node failed: {text}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let led = tollgate::cluster::status::fetch_topology(
+            &cluster.client(3).to_string(),
+            Duration::from_secs(2),
+        )
+        .map(|t| t.placement.iter().filter(|s| s.leader == Some(1)).count())
+        .unwrap_or(usize::MAX);
+        if led == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node 1 still leads {led} shards: {}",
+            cluster.log(1)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    let log = cluster.log(1);
+    assert!(
+        seen.errors.is_empty(),
+        "{loss:?}: {} errors: {:?}\n{log}",
+        seen.errors.len(),
+        &seen.errors[..seen.errors.len().min(20)]
+    );
+    assert!(seen.ok > 500, "too little load: {seen:?}");
+    let failed: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("leaving: did not finish"))
+        .collect();
+    eprintln!(
+        "{loss:?}: {} hits through the handovers, 0 errors; failed handovers: {failed:#?}",
+        seen.ok
+    );
+}
+
+#[test]
+fn a_handover_whose_successor_is_killed_costs_latency_not_errors() {
+    handover_to_a_lost_successor(Loss::Kill);
+}
+
+#[test]
+fn a_handover_whose_successor_goes_silent_costs_latency_not_errors() {
+    handover_to_a_lost_successor(Loss::Blackhole);
+}
+
+#[test]
+fn one_read_batch_across_every_shard_is_answered_in_request_order() {
+    for consistency in ["strict", "fast"] {
+        let cluster = TestCluster::start(3, 64, &["--consistency", consistency]);
+        cluster.wait_healthy(Duration::from_secs(20));
+        // One user per shard, hit three times each, interleaved, with a
+        // PEEK and a denied default-rule hit in between.
+        let users = probe_users(64);
+        let mut lines = Vec::new();
+        let mut expected = Vec::new();
+        for round in 0..3 {
+            for (i, user) in users.iter().enumerate() {
+                lines.push(format!("HIT path=/limited user={user}-{consistency}"));
+                expected.push(format!("OK true {} 60", 199 - round));
+                if i % 16 == 0 {
+                    lines.push(format!("PEEK path=/limited user={user}-{consistency}"));
+                    expected.push(format!("OK true {} 60", 198 - round));
+                }
+            }
+            lines.push("HIT path=/never/matched ip=1.2.3.4".to_string());
+            expected.push(format!("OK true {} 60", 4 - round));
+        }
+        for via in 1..=3 {
+            // Fresh counters per entry node: the last word gets a suffix.
+            let sent: Vec<String> = lines.iter().map(|l| format!("{l}-{via}")).collect();
+            let answers = Conn::open(cluster.client(via)).unwrap().pipeline(&sent);
+            assert_eq!(
+                answers.len(),
+                sent.len(),
+                "{consistency} via node {via}: {answers:?}"
+            );
+            for (i, (answer, want)) in answers.iter().zip(&expected).enumerate() {
+                assert_eq!(
+                    answer.trim_end(),
+                    want,
+                    "{consistency} via node {via}, request {i}: {}",
+                    sent[i]
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Helpers shared by the single-node test binaries: a real server on
+//! 127.0.0.1 port 0, built in-process by [`App`] (the binary's startup, its
+//! own serving threads), raw-byte conversations, and a manual clock when a
+//! test must control time. [`redis`] adds a real `redis-server`, [`droplet`]
+//! the WebSocket endpoint.
+#![allow(dead_code)]
+
+pub mod droplet;
+pub mod redis;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+use tollgate::app::{App, Hooks, RuleSource, RunningApp, ServeConfig};
+use tollgate::clock::{Clock, ManualClock, SystemClock};
+use tollgate::engine::{CommandExtension, Engine, UnavailablePolicy};
+use tollgate::rules::RuleSet;
+use tollgate::server::Limits;
+use tollgate::store::{MemoryStore, MemoryStoreConfig};
+
+/// How long any single socket read in a test may wait before failing.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A server's configuration for tests: `rules`, on 127.0.0.1 port 0, two
+/// serving threads, a short drain.
+pub fn test_config(rules: RuleSet) -> ServeConfig {
+    ServeConfig {
+        rules: RuleSource::Loaded(rules),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        threads: Some(2),
+        drain_timeout_ms: 2_000,
+        ..ServeConfig::default()
+    }
+}
+
+/// A server started by [`App`]; stopped when dropped.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub engine: Arc<Engine>,
+    pub store: Arc<MemoryStore>,
+    pub app: RunningApp,
+}
+
+/// What the tests of the line protocol vary.
+#[derive(Clone)]
+pub struct TestOptions {
+    pub threads: usize,
+    pub limits: Limits,
+    pub store: MemoryStoreConfig,
+    pub clock: Arc<dyn Clock>,
+    pub policy: UnavailablePolicy,
+    pub drain_timeout_ms: u64,
+    /// More line commands (tests that need replies to wait, or to panic).
+    pub extensions: Vec<Arc<dyn CommandExtension>>,
+}
+
+impl Default for TestOptions {
+    fn default() -> Self {
+        TestOptions {
+            threads: 2,
+            limits: Limits::default(),
+            store: MemoryStoreConfig::default(),
+            clock: Arc::new(SystemClock),
+            policy: UnavailablePolicy::Error,
+            drain_timeout_ms: 2_000,
+            extensions: Vec::new(),
+        }
+    }
+}
+
+impl TestServer {
+    pub fn start_ini(ini: &str) -> TestServer {
+        Self::start(
+            RuleSet::from_ini(ini).expect("test rules are valid"),
+            TestOptions::default(),
+        )
+    }
+
+    pub fn start_default() -> TestServer {
+        Self::start(RuleSet::embedded_default(), TestOptions::default())
+    }
+
+    pub fn start(rules: RuleSet, options: TestOptions) -> TestServer {
+        let config = ServeConfig {
+            threads: Some(options.threads),
+            limits: options.limits,
+            store: options.store,
+            unavailable_policy: options.policy,
+            drain_timeout_ms: options.drain_timeout_ms,
+            ..test_config(rules)
+        };
+        Self::start_app(
+            config,
+            Hooks {
+                clock: Some(options.clock),
+                extensions: options.extensions,
+            },
+        )
+    }
+
+    /// The one way every test server starts: the binary's own [`App`].
+    pub fn start_app(config: ServeConfig, hooks: Hooks) -> TestServer {
+        let app = App::build_with(config, hooks)
+            .expect("build the test server")
+            .spawn()
+            .expect("serve");
+        TestServer {
+            addr: app.local_addr(),
+            engine: Arc::clone(app.engine()),
+            store: Arc::clone(app.store()),
+            app,
+        }
+    }
+
+    pub fn connect(&self) -> TcpStream {
+        connect(self.addr)
+    }
+
+    /// Sends `bytes`, half-closes, and returns everything the server answers
+    /// until it closes.
+    pub fn converse(&self, bytes: &[u8]) -> String {
+        converse(self.addr, bytes)
+    }
+
+    pub fn stop(self) {
+        self.app.stop();
+    }
+}
+
+pub fn connect(addr: SocketAddr) -> TcpStream {
+    let stream = TcpStream::connect(addr).expect("connect to the test server");
+    stream.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    stream.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
+    stream.set_nodelay(true).unwrap();
+    stream
+}
+
+pub fn converse(addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut stream = connect(addr);
+    stream.write_all(bytes).unwrap();
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .expect("read until the server closes");
+    String::from_utf8(answer).expect("answers are UTF-8")
+}
+
+/// Sends one line and reads one answer line on an open connection.
+pub fn request(stream: &mut TcpStream, line: &str) -> String {
+    stream.write_all(line.as_bytes()).unwrap();
+    stream.write_all(b"\n").unwrap();
+    read_line(stream)
+}
+
+/// Reads one `\n`-terminated line, byte by byte (tests only).
+pub fn read_line(stream: &mut TcpStream) -> String {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        match stream.read(&mut byte) {
+            Ok(0) => break,
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) => panic!(
+                "reading a line: {e} (got {:?} so far)",
+                String::from_utf8_lossy(&line)
+            ),
+        }
+    }
+    String::from_utf8(line).unwrap()
+}
+
+/// A manual clock starting at a fixed, realistic time.
+pub fn manual_clock() -> Arc<ManualClock> {
+    Arc::new(ManualClock::new(1_700_000_000_000))
+}
+
+/// Hooks that put `clock` in charge of time.
+pub fn on_clock(clock: Arc<dyn Clock>) -> Hooks {
+    Hooks {
+        clock: Some(clock),
+        ..Hooks::default()
+    }
+}
