@@ -316,13 +316,17 @@ impl App {
             }
             None => None,
         };
+        let mut readiness = Readiness::new(Arc::clone(&engine.metrics));
+        if let Some(cluster) = &cluster {
+            readiness = readiness.with_check(cluster.readiness_check());
+        }
         let observability = Observability::start(
             &config.observability,
             Observed {
                 engine: Arc::clone(&engine),
                 store: Some(Arc::clone(&store)),
                 buckets: Some(Arc::clone(&buckets)),
-                readiness: Arc::new(Readiness::new(Arc::clone(&engine.metrics))),
+                readiness: Arc::new(readiness),
             },
         )?;
         let endpoints = Endpoints {

@@ -193,6 +193,32 @@ impl DataPlane {
                 .is_some_and(|out| out.heard_within(self.settings.liveness_timeout_ms))
     }
 
+    /// The shards no hit sent to this node could be decided for now, with
+    /// why: no leader known, this node leads but is not prepared, or the
+    /// leader cannot be reached.
+    pub fn unservable_shards(&self) -> Vec<(u32, ShardRefusal)> {
+        (0..self.placement.shards())
+            .filter_map(|shard| {
+                let why = match self.leaders.leader(shard) {
+                    None => ShardRefusal::NoLeader,
+                    Some(leader) if leader == self.me => {
+                        match self.replica(shard).and_then(|r| r.ready_term()) {
+                            Some(_) => return None,
+                            None => ShardRefusal::Preparing,
+                        }
+                    }
+                    Some(leader) => {
+                        if self.alive(leader) && self.out(leader).connected() {
+                            return None;
+                        }
+                        ShardRefusal::Other(format!("its leader, node {leader}, is unreachable"))
+                    }
+                };
+                Some((shard, why))
+            })
+            .collect()
+    }
+
     /// The link to `peer` connected.
     pub fn peer_connected(&self, peer: NodeId) {
         self.out(peer).connected.store(true, Ordering::Release);

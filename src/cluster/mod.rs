@@ -264,6 +264,23 @@ impl Cluster {
         })
     }
 
+    /// `/readyz`'s cluster condition: every shard can be decided from this
+    /// node now (it leads it, prepared, or a leader it can reach does).
+    pub fn readiness_check(&self) -> Arc<dyn crate::observability::health::ReadinessCheck> {
+        let dp = Arc::clone(&self.node.dp);
+        Arc::new(move || {
+            let unservable = dp.unservable_shards();
+            match unservable.first() {
+                None => Ok(()),
+                Some((shard, why)) => Err(format!(
+                    "{} of {} shards cannot be decided from this node (shard {shard}: {why})",
+                    unservable.len(),
+                    dp.placement.shards()
+                )),
+            }
+        })
+    }
+
     /// This node's client address from the cluster file.
     pub fn client_addr(&self) -> SocketAddr {
         self.client_addr
