@@ -393,7 +393,21 @@ impl DataPlane {
                         // read past, never taken.
                         let mine = reader.varint()? == self.boot;
                         let count = reader.count(3)?;
+                        // Consecutive answers of one batch fill its board
+                        // under one lock.
+                        let mut run: (u64, Vec<(u32, WireDecision)>) = (0, Vec::new());
                         let mut forwards = self.forwards.lock();
+                        let mut flush = |run: &mut (u64, Vec<(u32, WireDecision)>)| {
+                            if run.1.is_empty() {
+                                return;
+                            }
+                            if let Some(wait) = forwards.get_mut(&run.0) {
+                                if wait.answer_many(&mut run.1) {
+                                    forwards.remove(&run.0);
+                                }
+                            }
+                            run.1.clear();
+                        };
                         for _ in 0..count {
                             let batch = reader.varint()?;
                             let index = reader.u32()?;
@@ -401,12 +415,13 @@ impl DataPlane {
                             if !mine {
                                 continue;
                             }
-                            if let Some(wait) = forwards.get_mut(&batch) {
-                                if wait.answer(index, decision) {
-                                    forwards.remove(&batch);
-                                }
+                            if batch != run.0 {
+                                flush(&mut run);
+                                run.0 = batch;
                             }
+                            run.1.push((index, decision));
                         }
+                        flush(&mut run);
                     }
                     tag::ROUND => self.apply_round(from, from_boot, &mut reader)?,
                     tag::ACK => {
@@ -566,6 +581,7 @@ impl DataPlane {
             return;
         }
         let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
+        let mut local: Vec<(Arc<SlotBoard>, Vec<(u32, WireDecision)>)> = Vec::new();
         for section in ended {
             match &section.end {
                 SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
@@ -595,7 +611,16 @@ impl DataPlane {
                         board,
                         slot,
                         decision,
-                    } => board.fill(slot, section.end.answer(section.shard, decision)),
+                    } => {
+                        // Waiters of one read batch come together: one lock.
+                        let answer = (slot, section.end.answer(section.shard, decision));
+                        match local.last_mut() {
+                            Some((last, answers)) if Arc::ptr_eq(last, &board) => {
+                                answers.push(answer)
+                            }
+                            _ => local.push((board, vec![answer])),
+                        }
+                    }
                     Waiter::Remote {
                         peer,
                         boot,
@@ -616,6 +641,9 @@ impl DataPlane {
                     }
                 }
             }
+        }
+        for (board, answers) in local {
+            board.fill_many(answers);
         }
         for ((peer, boot), (mut bytes, at, count)) in remote {
             end_counted(&mut bytes, at, count);
