@@ -112,6 +112,17 @@ impl FullAt {
         remainder: 0,
     };
 
+    /// The instant (ms) and the sub-millisecond remainder, for encoders that
+    /// carry the state as it is (the cluster's peer stream).
+    pub fn to_parts(self) -> (u64, u64) {
+        (self.ms, self.remainder)
+    }
+
+    /// The inverse of [`FullAt::to_parts`].
+    pub fn from_parts(ms: u64, remainder: u64) -> FullAt {
+        FullAt { ms, remainder }
+    }
+
     /// Missing tokens × `period_ms` at `now_ms`: 0 when full.
     pub fn shortfall(self, rate: Refill, now_ms: u64) -> i128 {
         if self.ms < now_ms {
