@@ -8,6 +8,7 @@
 
 mod ini_file;
 mod json_file;
+mod matcher;
 mod pattern;
 
 use crate::protocol::Pairs;
@@ -234,6 +235,8 @@ pub enum ConfigError {
 #[derive(Debug, Clone)]
 pub struct RuleSet {
     rules: Vec<Rule>,
+    /// The rules' matching, compiled once (see [`matcher`]).
+    matcher: matcher::Matcher,
     /// Where the rules came from ("embedded default" or a path), for logs.
     pub source: String,
 }
@@ -287,6 +290,7 @@ impl RuleSet {
             Some(_) => {}
         }
         Ok(RuleSet {
+            matcher: matcher::Matcher::new(&rules),
             rules,
             source: String::new(),
         })
@@ -299,10 +303,10 @@ impl RuleSet {
     /// The rules a request evaluates, in order: every matching canary rule up to
     /// the first matching stop rule, which ends the list. The answer is the
     /// result of the last rule yielded.
-    pub fn evaluate<'s, 'r, 'p>(&'s self, request: &'r Pairs<'p>) -> Evaluated<'s, 'r, 'p> {
+    pub fn evaluate<'s, 'p>(&'s self, request: &Pairs<'p>) -> Evaluated<'s, 'p> {
         Evaluated {
-            rules: self.rules.iter(),
-            request,
+            rules: &self.rules,
+            evaluation: self.matcher.start(request),
             done: false,
         }
     }
@@ -324,29 +328,29 @@ impl RuleSet {
 }
 
 /// Iterator over the rules a request evaluates (see [`RuleSet::evaluate`]).
-pub struct Evaluated<'s, 'r, 'p> {
-    rules: std::slice::Iter<'s, Rule>,
-    request: &'r Pairs<'p>,
+pub struct Evaluated<'s, 'p> {
+    rules: &'s [Rule],
+    evaluation: matcher::Evaluation<'s, 'p>,
     done: bool,
 }
 
-impl<'s> Iterator for Evaluated<'s, '_, '_> {
+impl<'s> Iterator for Evaluated<'s, '_> {
     type Item = &'s Rule;
 
     fn next(&mut self) -> Option<&'s Rule> {
         if self.done {
             return None;
         }
-        for rule in self.rules.by_ref() {
-            if rule.matches(self.request) {
-                if rule.match_policy == MatchPolicy::Stop {
-                    self.done = true;
-                }
-                return Some(rule);
+        match self.evaluation.next_match() {
+            Some((position, stop)) => {
+                self.done = stop;
+                self.rules.get(position)
+            }
+            None => {
+                self.done = true;
+                None
             }
         }
-        self.done = true;
-        None
     }
 }
 
