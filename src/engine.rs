@@ -9,7 +9,7 @@
 use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
-use crate::protocol::{encode_err, encode_ok, parse_line, ErrorCode, Pairs, Verb};
+use crate::protocol::{encode_err, encode_ok, parse_line_into, ErrorCode, Pairs, Verb};
 use crate::rules::{MatchPolicy, Quota, RuleSet};
 use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
 use arc_swap::ArcSwap;
@@ -199,8 +199,10 @@ impl Engine {
             Ok(text) => Cow::Borrowed(text),
             Err(_) => String::from_utf8_lossy(line),
         };
-        let command = match parse_line(&text) {
-            Ok(command) => command,
+        // Parsed in place: the pairs are not moved around after parsing.
+        let mut pairs = Pairs::default();
+        let verb = match parse_line_into(&text, &mut pairs) {
+            Ok(verb) => verb,
             Err(error) => {
                 let code = match error {
                     crate::protocol::ParseError::UnknownCommand(_) => ErrorCode::UnknownCommand,
@@ -213,12 +215,12 @@ impl Engine {
                 });
             }
         };
-        match command.verb {
-            Verb::Hit => self.hit(&command.pairs, false, arrival),
-            Verb::Peek => self.hit(&command.pairs, true, arrival),
+        match verb {
+            Verb::Hit => self.hit(&pairs, false, arrival),
+            Verb::Peek => self.hit(&pairs, true, arrival),
             verb => {
                 for extension in &self.extensions {
-                    if let Some(outcome) = extension.execute(verb, &command.pairs, arrival.now_ms) {
+                    if let Some(outcome) = extension.execute(verb, &pairs, arrival.now_ms) {
                         return outcome;
                     }
                 }

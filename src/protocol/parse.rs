@@ -34,6 +34,14 @@ impl Verb {
         (Verb::Topology, "TOPOLOGY"),
     ];
 
+    /// The verb of an ASCII command word, matched without case.
+    fn from_ascii_word(word: &[u8]) -> Option<Verb> {
+        Self::ALL
+            .iter()
+            .find(|(_, name)| word.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(verb, _)| *verb)
+    }
+
     fn from_word(word: &str) -> Option<Verb> {
         if word.is_ascii() {
             Self::ALL
@@ -275,6 +283,191 @@ fn char_at(s: &str, pos: usize) -> Option<char> {
 
 /// Parses one request line (without its terminator).
 pub fn parse_line(line: &str) -> Result<Command<'_>, ParseError> {
+    let mut pairs = Pairs::default();
+    let verb = parse_line_into(line, &mut pairs)?;
+    Ok(Command { verb, pairs })
+}
+
+/// Parses one request line into `pairs` (which must be empty), returning its
+/// verb: [`parse_line`] without moving the pairs around, for the hot path.
+pub fn parse_line_into<'a>(line: &'a str, pairs: &mut Pairs<'a>) -> Result<Verb, ParseError> {
+    if let Some(verb) = parse_line_fast(line, pairs) {
+        return Ok(verb);
+    }
+    pairs.items.clear();
+    pairs.sorted = false;
+    let command = parse_line_general(line)?;
+    *pairs = command.pairs;
+    Ok(command.verb)
+}
+
+/// Longest line the fast path takes (longer lines are rare; the general
+/// parser reads them).
+const FAST_LINE_BYTES_MAX: usize = 256;
+
+/// Where the stop bytes of a line are (one bit per byte): bytes ≤ 0x20
+/// (whitespace and control characters), `=`, `"`, and non-ASCII bytes. Built
+/// 16 bytes at a time, so that finding the end of a token is a bit scan.
+struct StopMap {
+    words: [u64; FAST_LINE_BYTES_MAX / 64],
+    len: usize,
+}
+
+impl StopMap {
+    fn new(bytes: &[u8]) -> Option<StopMap> {
+        if bytes.len() > FAST_LINE_BYTES_MAX {
+            return None;
+        }
+        let mut map = StopMap {
+            words: [0; FAST_LINE_BYTES_MAX / 64],
+            len: bytes.len(),
+        };
+        let mut blocks = bytes.chunks_exact(16);
+        let mut at = 0;
+        for block in blocks.by_ref() {
+            if let Ok(block) = <&[u8; 16]>::try_from(block) {
+                map.words[at / 64] |= u64::from(stop_mask(block)) << (at % 64);
+            }
+            at += 16;
+        }
+        let tail = blocks.remainder();
+        if !tail.is_empty() {
+            // Padding with a byte that never stops a token.
+            let mut array = [b'a'; 16];
+            array[..tail.len()].copy_from_slice(tail);
+            map.words[at / 64] |= u64::from(stop_mask(&array)) << (at % 64);
+        }
+        Some(map)
+    }
+
+    /// The position of the first stop byte at or after `from`, or the line's
+    /// length.
+    #[inline(always)]
+    fn next_stop(&self, from: usize) -> usize {
+        let mut word = from / 64;
+        let mut bits = match self.words.get(word) {
+            Some(&w) => w & (u64::MAX << (from % 64)),
+            None => return self.len,
+        };
+        loop {
+            if bits != 0 {
+                return (word * 64 + bits.trailing_zeros() as usize).min(self.len);
+            }
+            word += 1;
+            match self.words.get(word) {
+                Some(&w) if word * 64 < self.len => bits = w,
+                _ => return self.len,
+            }
+        }
+    }
+}
+
+/// One bit per byte of `block`: is it a stop byte?
+#[cfg(target_arch = "x86_64")]
+fn stop_mask(block: &[u8; 16]) -> u16 {
+    use std::arch::x86_64::{
+        _mm_cmpeq_epi8, _mm_loadu_si128, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128,
+        _mm_set1_epi8,
+    };
+    // SAFETY: SSE2 is part of x86_64; the load reads the 16 bytes of `block`.
+    unsafe {
+        let v = _mm_loadu_si128(block.as_ptr().cast());
+        let space = _mm_set1_epi8(0x20);
+        let low = _mm_cmpeq_epi8(_mm_max_epu8(v, space), space);
+        let equals = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'=' as i8));
+        let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
+        // The sign bit of each byte is the non-ASCII test itself.
+        _mm_movemask_epi8(_mm_or_si128(
+            _mm_or_si128(low, equals),
+            _mm_or_si128(quote, v),
+        )) as u16
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn stop_mask(block: &[u8; 16]) -> u16 {
+    block
+        .iter()
+        .enumerate()
+        .filter(|&(_, &b)| b <= 0x20 || b == b'=' || b == b'"' || b >= 0x80)
+        .fold(0, |mask, (i, _)| mask | 1 << i)
+}
+
+/// The common line, read in one pass: ASCII, well formed, each token ended by
+/// ASCII whitespace or `=`. Anything else (an error, a non-ASCII character
+/// outside quotes, a control character, a `"` inside an unquoted token, a
+/// line over [`FAST_LINE_BYTES_MAX`]) returns `None`, and the general parser,
+/// which knows every rule and every message, reads the line again. The two
+/// agree wherever this one answers (a property test checks it).
+fn parse_line_fast<'a>(line: &'a str, pairs: &mut Pairs<'a>) -> Option<Verb> {
+    let bytes = line.as_bytes();
+    let len = bytes.len();
+    let stops = StopMap::new(bytes)?;
+    let word_end = stops.next_stop(0);
+    if word_end == 0 {
+        return None;
+    }
+    let verb = Verb::from_ascii_word(&bytes[..word_end])?;
+    let mut pos = word_end;
+    loop {
+        match bytes.get(pos) {
+            None => break,
+            Some(&b) if is_ascii_whitespace_byte(b) => {}
+            Some(_) => return None,
+        }
+        while bytes.get(pos).is_some_and(|&b| is_ascii_whitespace_byte(b)) {
+            pos += 1;
+        }
+        if pos == len {
+            break;
+        }
+        let (key, after_key) = fast_token(line, &stops, pos)?;
+        if bytes.get(after_key) != Some(&b'=') {
+            return None;
+        }
+        let (value, after_value) = fast_token(line, &stops, after_key + 1)?;
+        pairs.items.push((key, value));
+        pos = after_value;
+    }
+    pairs.finish();
+    Some(verb)
+}
+
+/// Divvy's ASCII whitespace (not `=`): tab, newline, vertical tab, form
+/// feed, carriage return and space, as one bit test.
+#[inline(always)]
+fn is_ascii_whitespace_byte(b: u8) -> bool {
+    const WHITESPACE: u64 =
+        1 << b' ' | 1 << b'\t' | 1 << b'\n' | 1 << 0x0b | 1 << 0x0c | 1 << b'\r';
+    b <= b' ' && WHITESPACE >> b & 1 == 1
+}
+
+/// One token of the fast path starting at `pos` (`pos <= line.len()`):
+/// quoted, to the next `"`; otherwise to the next stop byte, which must be
+/// whitespace, `=` or the line's end.
+#[inline(always)]
+fn fast_token<'a>(line: &'a str, stops: &StopMap, pos: usize) -> Option<(&'a str, usize)> {
+    let bytes = line.as_bytes();
+    if bytes.get(pos) == Some(&b'"') {
+        let close = memchr::memchr(b'"', &bytes[pos + 1..])?;
+        // Both quotes are ASCII, so both ends are character boundaries.
+        return Some((line.get(pos + 1..pos + 1 + close)?, pos + close + 2));
+    }
+    let end = stops.next_stop(pos);
+    match bytes.get(end) {
+        Some(&b) if b != b'=' && !is_ascii_whitespace_byte(b) => None,
+        _ => {
+            let token = bytes.get(pos..end)?;
+            // SAFETY: every non-ASCII byte is a stop byte, so the bytes from
+            // `pos` (a token's start) to the first stop are ASCII: valid UTF-8.
+            Some((unsafe { std::str::from_utf8_unchecked(token) }, end))
+        }
+    }
+}
+
+/// Parses one request line with every rule of the tokenizer (any Unicode,
+/// quotes anywhere, divvy's exact error messages).
+fn parse_line_general(line: &str) -> Result<Command<'_>, ParseError> {
     let (word, after_word) = read_token(line, 0)?;
     let verb =
         Verb::from_word(word).ok_or_else(|| ParseError::UnknownCommand(word.to_uppercase()))?;
@@ -426,6 +619,32 @@ mod properties {
             prop_assert_eq!(unquoted_len(&s), reference_unquoted_len(&s));
             let ws = s.len() - s.trim_start_matches(is_whitespace).len();
             prop_assert_eq!(whitespace_len(&s), ws);
+        }
+
+        /// The fast path answers only where the general parser agrees.
+        #[test]
+        fn fast_path_agrees_with_the_general_parser(s in "(?i:hit|peek|take|x)?[ a-c=\"\t\r\u{b}\u{1}\u{a0}\u{3000}é]{0,40}") {
+            let mut pairs = Pairs::default();
+            if let Some(verb) = parse_line_fast(&s, &mut pairs) {
+                prop_assert_eq!(Ok(Command { verb, pairs }), parse_line_general(&s));
+            }
+        }
+
+        /// Well-formed ASCII lines take the fast path.
+        #[test]
+        fn well_formed_lines_take_the_fast_path(pairs in proptest::collection::vec(("[a-z0-9/.*-]{0,12}", "[a-z0-9/.*-]{0,12}", any::<bool>()), 0..10)) {
+            let mut line = String::from("HIT");
+            for (k, v, quoted) in &pairs {
+                if *quoted {
+                    line.push_str(&format!(" \"{k}\"=\"{v}\""));
+                } else {
+                    line.push_str(&format!(" {k}={v}"));
+                }
+            }
+            let mut pairs = Pairs::default();
+            let verb = parse_line_fast(&line, &mut pairs);
+            prop_assert!(verb.is_some(), "{}", line);
+            prop_assert_eq!(Ok(Command { verb: verb.unwrap(), pairs }), parse_line_general(&line));
         }
 
         /// Any input parses or fails with a message; it never panics.
