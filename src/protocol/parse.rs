@@ -114,9 +114,14 @@ impl<'a> Pairs<'a> {
             self.items
                 .iter()
                 .rev()
-                .find(|(k, _)| *k == key)
+                .find(|(k, _)| bytes_eq(k.as_bytes(), key.as_bytes()))
                 .map(|(_, v)| *v)
         }
+    }
+
+    /// The value of the pair at `position` in [`Pairs::iter`]'s order.
+    pub fn value_at(&self, position: usize) -> Option<&'a str> {
+        self.items.get(position).map(|&(_, value)| value)
     }
 
     /// Every pair as given (with duplicates when few pairs were given).
@@ -126,6 +131,46 @@ impl<'a> Pairs<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
+    }
+}
+
+/// Byte equality for the short strings of requests (keys, values): lengths
+/// first, then, up to 16 bytes, two words ([`short_words`]) instead of a
+/// library call.
+#[inline]
+pub fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len()
+        && match (short_words(a), short_words(b)) {
+            (Some(x), Some(y)) => x == y,
+            _ => a == b,
+        }
+}
+
+/// A string of at most 16 bytes as two words read at both ends (they overlap
+/// when it is shorter): for strings of one length, equal words mean equal
+/// bytes. `None` beyond 16 bytes.
+#[inline(always)]
+pub fn short_words(s: &[u8]) -> Option<(u64, u64)> {
+    let n = s.len();
+    let u32_at = |i: usize| {
+        s.get(i..i + 4).map_or(0, |b| {
+            u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        })
+    };
+    let u64_at = |i: usize| {
+        s.get(i..i + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    match n {
+        0 => Some((0, 0)),
+        1..=3 => Some((
+            u64::from(s[0]) | u64::from(s[n / 2]) << 8 | u64::from(s[n - 1]) << 16,
+            0,
+        )),
+        4..=7 => Some((u32_at(0) | u32_at(n - 4) << 32, 0)),
+        8..=16 => Some((u64_at(0), u64_at(n - 8))),
+        _ => None,
     }
 }
 
@@ -307,58 +352,69 @@ const FAST_LINE_BYTES_MAX: usize = 256;
 
 /// Where the stop bytes of a line are (one bit per byte): bytes ≤ 0x20
 /// (whitespace and control characters), `=`, `"`, and non-ASCII bytes. Built
-/// 16 bytes at a time, so that finding the end of a token is a bit scan.
-struct StopMap {
+/// 16 bytes at a time; the parser then walks the stops in order, so finding
+/// the end of a token is one bit scan.
+struct Stops {
     words: [u64; FAST_LINE_BYTES_MAX / 64],
-    len: usize,
+    /// The word being walked, and its stops not yet passed.
+    word: usize,
+    bits: u64,
 }
 
-impl StopMap {
-    fn new(bytes: &[u8]) -> Option<StopMap> {
+impl Stops {
+    fn new(bytes: &[u8]) -> Option<Stops> {
         if bytes.len() > FAST_LINE_BYTES_MAX {
             return None;
         }
-        let mut map = StopMap {
-            words: [0; FAST_LINE_BYTES_MAX / 64],
-            len: bytes.len(),
-        };
+        let mut words = [0u64; FAST_LINE_BYTES_MAX / 64];
         let mut blocks = bytes.chunks_exact(16);
         let mut at = 0;
         for block in blocks.by_ref() {
             if let Ok(block) = <&[u8; 16]>::try_from(block) {
-                map.words[at / 64] |= u64::from(stop_mask(block)) << (at % 64);
+                words[at / 64] |= u64::from(stop_mask(block)) << (at % 64);
             }
             at += 16;
         }
         let tail = blocks.remainder();
         if !tail.is_empty() {
-            // Padding with a byte that never stops a token.
+            // Padding with a byte that never stops a token: no stop past the end.
             let mut array = [b'a'; 16];
             array[..tail.len()].copy_from_slice(tail);
-            map.words[at / 64] |= u64::from(stop_mask(&array)) << (at % 64);
+            words[at / 64] |= u64::from(stop_mask(&array)) << (at % 64);
         }
-        Some(map)
+        Some(Stops {
+            words,
+            word: 0,
+            bits: words[0],
+        })
     }
 
-    /// The position of the first stop byte at or after `from`, or the line's
-    /// length.
+    /// Takes the next stop; `len` (the line's length) when none is left.
     #[inline(always)]
-    fn next_stop(&self, from: usize) -> usize {
-        let mut word = from / 64;
-        let mut bits = match self.words.get(word) {
-            Some(&w) => w & (u64::MAX << (from % 64)),
-            None => return self.len,
-        };
+    fn next(&mut self, len: usize) -> usize {
         loop {
-            if bits != 0 {
-                return (word * 64 + bits.trailing_zeros() as usize).min(self.len);
+            if self.bits != 0 {
+                let at = self.word * 64 + self.bits.trailing_zeros() as usize;
+                self.bits &= self.bits - 1;
+                return at;
             }
-            word += 1;
-            match self.words.get(word) {
-                Some(&w) if word * 64 < self.len => bits = w,
-                _ => return self.len,
+            self.word += 1;
+            match self.words.get(self.word) {
+                Some(&bits) => self.bits = bits,
+                None => return len,
             }
         }
+    }
+
+    /// Drops the stops before `pos`.
+    #[inline(always)]
+    fn skip_to(&mut self, pos: usize) {
+        let word = pos / 64;
+        if word != self.word {
+            self.word = word;
+            self.bits = self.words.get(word).copied().unwrap_or(0);
+        }
+        self.bits &= u64::MAX << (pos % 64);
     }
 }
 
@@ -402,30 +458,33 @@ fn stop_mask(block: &[u8; 16]) -> u16 {
 fn parse_line_fast<'a>(line: &'a str, pairs: &mut Pairs<'a>) -> Option<Verb> {
     let bytes = line.as_bytes();
     let len = bytes.len();
-    let stops = StopMap::new(bytes)?;
-    let word_end = stops.next_stop(0);
+    let mut stops = Stops::new(bytes)?;
+    let word_end = stops.next(len);
     if word_end == 0 {
         return None;
     }
-    let verb = Verb::from_ascii_word(&bytes[..word_end])?;
+    let verb = Verb::from_ascii_word(bytes.get(..word_end)?)?;
     let mut pos = word_end;
     loop {
+        // After the command word or a value: the end, or whitespace.
         match bytes.get(pos) {
             None => break,
             Some(&b) if is_ascii_whitespace_byte(b) => {}
             Some(_) => return None,
         }
+        pos += 1;
         while bytes.get(pos).is_some_and(|&b| is_ascii_whitespace_byte(b)) {
             pos += 1;
         }
         if pos == len {
             break;
         }
-        let (key, after_key) = fast_token(line, &stops, pos)?;
+        stops.skip_to(pos);
+        let (key, after_key) = fast_token(line, &mut stops, pos)?;
         if bytes.get(after_key) != Some(&b'=') {
             return None;
         }
-        let (value, after_value) = fast_token(line, &stops, after_key + 1)?;
+        let (value, after_value) = fast_token(line, &mut stops, after_key + 1)?;
         pairs.items.push((key, value));
         pos = after_value;
     }
@@ -442,24 +501,26 @@ fn is_ascii_whitespace_byte(b: u8) -> bool {
     b <= b' ' && WHITESPACE >> b & 1 == 1
 }
 
-/// One token of the fast path starting at `pos` (`pos <= line.len()`):
-/// quoted, to the next `"`; otherwise to the next stop byte, which must be
-/// whitespace, `=` or the line's end.
+/// One token of the fast path starting at `pos` (`pos <= line.len()`; no
+/// stop before `pos` is left in `stops`): quoted, to the next `"`;
+/// otherwise to the next stop, which must be whitespace, `=` or the end.
+/// Returns the token and the position after it, whose stop is taken.
 #[inline(always)]
-fn fast_token<'a>(line: &'a str, stops: &StopMap, pos: usize) -> Option<(&'a str, usize)> {
+fn fast_token<'a>(line: &'a str, stops: &mut Stops, pos: usize) -> Option<(&'a str, usize)> {
     let bytes = line.as_bytes();
     if bytes.get(pos) == Some(&b'"') {
-        let close = memchr::memchr(b'"', &bytes[pos + 1..])?;
+        let close = pos + 1 + memchr::memchr(b'"', bytes.get(pos + 1..)?)?;
+        stops.skip_to(close + 2);
         // Both quotes are ASCII, so both ends are character boundaries.
-        return Some((line.get(pos + 1..pos + 1 + close)?, pos + close + 2));
+        return Some((line.get(pos + 1..close)?, close + 1));
     }
-    let end = stops.next_stop(pos);
+    let end = stops.next(bytes.len());
     match bytes.get(end) {
         Some(&b) if b != b'=' && !is_ascii_whitespace_byte(b) => None,
         _ => {
             let token = bytes.get(pos..end)?;
-            // SAFETY: every non-ASCII byte is a stop byte, so the bytes from
-            // `pos` (a token's start) to the first stop are ASCII: valid UTF-8.
+            // SAFETY: every non-ASCII byte is a stop, so the bytes from `pos`
+            // (a token's start) to the first stop are ASCII: valid UTF-8.
             Some((unsafe { std::str::from_utf8_unchecked(token) }, end))
         }
     }
@@ -590,6 +651,27 @@ mod tests {
         assert_eq!(cmd.pairs.get("k5"), Some("95"));
         assert_eq!(cmd.pairs.get("k29"), Some("89"));
         assert_eq!(cmd.pairs.get("k30"), None);
+    }
+
+    #[test]
+    fn bytes_eq_is_equality() {
+        let words: Vec<Vec<u8>> = (0..20)
+            .flat_map(|n| {
+                let base: Vec<u8> = (0..n).map(|i| b'a' + i as u8).collect();
+                let mut variants = vec![base.clone()];
+                for i in 0..n {
+                    let mut v = base.clone();
+                    v[i] ^= 1;
+                    variants.push(v);
+                }
+                variants
+            })
+            .collect();
+        for a in &words {
+            for b in &words {
+                assert_eq!(bytes_eq(a, b), a == b, "{a:?} {b:?}");
+            }
+        }
     }
 
     #[test]

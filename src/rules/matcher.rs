@@ -1,39 +1,123 @@
-//! Rule matching compiled once per rule set: every key a rule checks gets a
-//! number, a request's values are looked up once per key (not once per rule
-//! and check), and, in larger rule sets, an index on the key most rules check
-//! for an exact value jumps straight to the rules a request can match.
+//! Rule matching compiled once per rule set. Every key a rule checks (or
+//! takes its actor from) gets a number; a request's pairs are looked up once
+//! per request, not once per rule and check; each rule keeps only the checks
+//! that can fail (`*` pairs left out, exact values first), compared without
+//! library calls. In larger rule sets, an index on the key most rules ask an
+//! exact value of jumps straight to the rules a request can match.
 //!
 //! The order of evaluation is the rule order, always: the index only leaves
 //! out rules that cannot match (their exact value for the indexed key
 //! differs from the request's).
 
 use super::{MatchPolicy, Pattern, Rule};
-use crate::protocol::Pairs;
-use smallvec::SmallVec;
+use crate::protocol::{short_words as words, Pairs};
 use std::collections::HashMap;
 
 /// Rule sets at least this long get an index on their most checked key...
 const INDEX_RULES_MIN: usize = 8;
 /// ...when at least this many rules ask for an exact value of it.
 const INDEX_EXACT_RULES_MIN: usize = 4;
+/// Keys whose values are looked up once per request; a rule set naming more
+/// looks the others up when a check needs them.
+const RESOLVED_KEYS_MAX: usize = 16;
+/// "The request does not have this key", among pair positions.
+const ABSENT: u16 = u16::MAX;
 
-/// One check of a compiled rule: the key's number and what its value must be.
+/// A string compared many times: up to 16 bytes it is also kept as two
+/// words of overlapping loads ([`words`]), so that comparing it with
+/// another string of its length is comparing two words.
 #[derive(Debug, Clone)]
-struct Check {
-    key: usize,
-    pattern: Pattern,
+struct Text {
+    bytes: Box<[u8]>,
+    words: Option<(u64, u64)>,
+}
+
+impl Text {
+    fn new(text: &str) -> Text {
+        Text {
+            bytes: text.as_bytes().into(),
+            words: words(text.as_bytes()),
+        }
+    }
+
+    #[inline(always)]
+    fn eq(&self, other: &[u8]) -> bool {
+        if other.len() != self.bytes.len() {
+            return false;
+        }
+        match self.words {
+            Some(mine) => words(other) == Some(mine),
+            None => *self.bytes == *other,
+        }
+    }
+}
+
+/// What a check asks of a value (`*` checks are left out at compile time).
+#[derive(Debug, Clone)]
+enum Test {
+    Exact(Text),
+    /// A glob: the prefix, then the pieces of `pattern` in order.
+    Glob {
+        prefix: Text,
+        pattern: Pattern,
+    },
+}
+
+impl Test {
+    fn new(pattern: &Pattern) -> Test {
+        match pattern {
+            Pattern::Glob { prefix, .. } => Test::Glob {
+                prefix: Text::new(prefix),
+                pattern: pattern.clone(),
+            },
+            other => Test::Exact(Text::new(other.source())),
+        }
+    }
+
+    /// Does the request's value pass (`None`: the key is absent, which no
+    /// exact value or glob matches)?
+    #[inline(always)]
+    fn passes(&self, value: Option<&str>) -> bool {
+        let Some(value) = value else { return false };
+        let value = value.as_bytes();
+        match self {
+            Test::Exact(text) => text.eq(value),
+            Test::Glob { prefix, pattern } => {
+                let n = prefix.bytes.len();
+                value.len() >= n
+                    && prefix.eq(&value[..n])
+                    && match pattern {
+                        Pattern::Glob { pieces, .. } => {
+                            pieces.is_empty() || super::pattern::pieces_match(pieces, &value[n..])
+                        }
+                        _ => true,
+                    }
+            }
+        }
+    }
+}
+
+/// A key a check reads: one of the resolved keys, or (past
+/// [`RESOLVED_KEYS_MAX`]) a name to look up.
+#[derive(Debug, Clone)]
+enum KeyRef {
+    Resolved(usize),
+    Named(Box<str>),
 }
 
 #[derive(Debug, Clone)]
 struct CompiledRule {
-    checks: Box<[Check]>,
+    /// The request's key and what its value must be.
+    checks: Box<[(KeyRef, Test)]>,
+    /// Where the rule's actor comes from.
+    actor: Option<KeyRef>,
     stop: bool,
 }
 
 /// Rules that can match a request, by its value of one key.
 #[derive(Debug, Clone)]
 struct Index {
-    key: usize,
+    key: Box<str>,
     /// For each value some rule asks for exactly: the positions of the rules
     /// that ask for it, in order.
     by_value: HashMap<Box<str>, Box<[u32]>, ahash::RandomState>,
@@ -45,8 +129,8 @@ struct Index {
 /// A rule set's matching, compiled.
 #[derive(Debug, Clone)]
 pub(super) struct Matcher {
-    /// Every key a rule checks, once, numbered by position.
-    keys: Box<[Box<str>]>,
+    /// The resolved keys, by number.
+    keys: Box<[Text]>,
     rules: Box<[CompiledRule]>,
     index: Option<Index>,
 }
@@ -59,29 +143,29 @@ impl Matcher {
     /// Compiles `rules`, with an index when there are at least
     /// `index_rules_min` of them.
     fn build(rules: &[Rule], index_rules_min: usize) -> Matcher {
-        let mut keys: Vec<Box<str>> = Vec::new();
+        let mut keys: Vec<Text> = Vec::new();
+        let mut key_ref = |key: &str| match keys.iter().position(|k| k.eq(key.as_bytes())) {
+            Some(number) => KeyRef::Resolved(number),
+            None if keys.len() < RESOLVED_KEYS_MAX => {
+                keys.push(Text::new(key));
+                KeyRef::Resolved(keys.len() - 1)
+            }
+            None => KeyRef::Named(key.into()),
+        };
         let compiled: Box<[CompiledRule]> = rules
             .iter()
             .map(|rule| CompiledRule {
                 checks: rule
                     .checks
                     .iter()
-                    .map(|(key, pattern)| Check {
-                        key: match keys.iter().position(|k| **k == **key) {
-                            Some(at) => at,
-                            None => {
-                                keys.push(key.as_str().into());
-                                keys.len() - 1
-                            }
-                        },
-                        pattern: pattern.clone(),
-                    })
+                    .map(|(key, pattern)| (key_ref(key), Test::new(pattern)))
                     .collect(),
+                actor: rule.actor_field.as_deref().map(&mut key_ref),
                 stop: rule.match_policy == MatchPolicy::Stop,
             })
             .collect();
         let index = (rules.len() >= index_rules_min)
-            .then(|| Self::build_index(&compiled, keys.len()))
+            .then(|| Self::build_index(rules))
             .flatten();
         Matcher {
             keys: keys.into(),
@@ -91,25 +175,27 @@ impl Matcher {
     }
 
     /// The exact value a rule asks for `key`, if it asks for one.
-    fn exact_value(rule: &CompiledRule, key: usize) -> Option<&str> {
-        rule.checks.iter().find_map(|check| match &check.pattern {
-            Pattern::Exact(value) if check.key == key => Some(value.as_str()),
+    fn exact_value<'r>(rule: &'r Rule, key: &str) -> Option<&'r str> {
+        rule.checks.iter().find_map(|(k, pattern)| match pattern {
+            Pattern::Exact(value) if *k == *key => Some(value.as_str()),
             _ => None,
         })
     }
 
     /// An index on the key most rules ask an exact value of, when enough do
     /// for the index to prune anything.
-    fn build_index(rules: &[CompiledRule], key_count: usize) -> Option<Index> {
-        let (key, exact_rules) = (0..key_count)
-            .map(|key| {
-                let n = rules
-                    .iter()
-                    .filter(|r| Self::exact_value(r, key).is_some())
-                    .count();
-                (key, n)
-            })
-            .max_by_key(|&(key, n)| (n, std::cmp::Reverse(key)))?;
+    fn build_index(rules: &[Rule]) -> Option<Index> {
+        let mut exact_counts: HashMap<&str, usize> = HashMap::new();
+        for rule in rules {
+            for (key, pattern) in rule.checks.iter() {
+                if matches!(pattern, Pattern::Exact(_)) {
+                    *exact_counts.entry(key).or_default() += 1;
+                }
+            }
+        }
+        let (key, exact_rules) = exact_counts
+            .into_iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))?;
         if exact_rules < INDEX_EXACT_RULES_MIN {
             return None;
         }
@@ -123,7 +209,7 @@ impl Matcher {
             }
         }
         Some(Index {
-            key,
+            key: key.into(),
             by_value: by_value
                 .into_iter()
                 .map(|(value, positions)| (value, positions.into()))
@@ -132,26 +218,32 @@ impl Matcher {
         })
     }
 
-    /// The number of `key` among the checked keys.
-    fn key_number(&self, key: &str) -> Option<usize> {
-        self.keys
-            .iter()
-            .position(|k| short_eq(k.as_bytes(), key.as_bytes()))
-    }
-
-    /// Starts evaluating a request: its value of every checked key, and the
-    /// rules to try.
-    pub(super) fn start<'s, 'p>(&'s self, request: &Pairs<'p>) -> Evaluation<'s, 'p> {
-        let mut values: SmallVec<[Option<&'p str>; 8]> = SmallVec::from_elem(None, self.keys.len());
-        for (key, value) in request.iter() {
-            if let Some(number) = self.key_number(key) {
+    /// Starts evaluating a request: where its value of each resolved key is,
+    /// and the rules to try.
+    pub(super) fn start<'s, 'r, 'p>(&'s self, request: &'r Pairs<'p>) -> Evaluation<'s, 'r, 'p> {
+        let mut values = [ABSENT; RESOLVED_KEYS_MAX];
+        for (position, (key, _)) in request.iter().enumerate() {
+            let Ok(position) = u16::try_from(position) else {
+                break; // Beyond 65,535 pairs (line limits forbid it): keep the first ones.
+            };
+            let key = key.as_bytes();
+            let key_words = words(key);
+            let found = self.keys.iter().position(|k| {
+                k.bytes.len() == key.len()
+                    && match (k.words, key_words) {
+                        (Some(a), Some(b)) => a == b,
+                        _ => *k.bytes == *key,
+                    }
+            });
+            if let Some(number) = found {
                 // Pairs in order: a key given twice keeps its last value.
-                values[number] = Some(value);
+                values[number] = position;
             }
         }
         let candidates = match &self.index {
             Some(index) => Candidates::Merged {
-                exact: values[index.key]
+                exact: request
+                    .get(&index.key)
                     .and_then(|value| index.by_value.get(value))
                     .map_or(&[][..], |positions| &positions[..])
                     .iter()
@@ -161,7 +253,8 @@ impl Matcher {
             None => Candidates::All(0..self.rules.len()),
         };
         Evaluation {
-            matcher: self,
+            rules: &self.rules,
+            request,
             values,
             candidates,
         }
@@ -198,55 +291,50 @@ impl Iterator for Candidates<'_> {
 }
 
 /// A request being evaluated (see [`super::RuleSet::evaluate`]).
-pub(super) struct Evaluation<'s, 'p> {
-    matcher: &'s Matcher,
-    values: SmallVec<[Option<&'p str>; 8]>,
+pub(super) struct Evaluation<'s, 'r, 'p> {
+    rules: &'s [CompiledRule],
+    request: &'r Pairs<'p>,
+    /// The position among the request's pairs of each resolved key's value.
+    values: [u16; RESOLVED_KEYS_MAX],
     candidates: Candidates<'s>,
 }
 
-impl Evaluation<'_, '_> {
+impl<'p> Evaluation<'_, '_, 'p> {
+    /// The request's value of `key`.
+    fn value(&self, key: &KeyRef) -> Option<&'p str> {
+        match key {
+            KeyRef::Resolved(number) => match self.values.get(*number) {
+                Some(&ABSENT) | None => None,
+                Some(&position) => self.request.value_at(usize::from(position)),
+            },
+            KeyRef::Named(name) => self.request.get(name),
+        }
+    }
+
     /// The position of the next matching rule and whether it stops the
     /// search.
     pub(super) fn next_match(&mut self) -> Option<(usize, bool)> {
         loop {
             let position = self.candidates.next()?;
-            let rule = &self.matcher.rules[position];
+            let rule = self.rules.get(position)?;
             let matches = rule
                 .checks
                 .iter()
-                .all(|check| check.pattern.matches(self.values[check.key]));
+                .all(|(key, test)| test.passes(self.value(key)));
             if matches {
                 return Some((position, rule.stop));
             }
         }
     }
-}
 
-/// Byte equality for the short strings of keys: lengths first, then the
-/// bytes without a library call when they fit two overlapping words.
-fn short_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let n = a.len();
-    let word = |s: &[u8], at: usize| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&s[at..at + 8]);
-        u64::from_le_bytes(w)
-    };
-    match n {
-        0 => true,
-        1..=3 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
-        4..=7 => {
-            let half = |s: &[u8], at: usize| {
-                let mut w = [0u8; 4];
-                w.copy_from_slice(&s[at..at + 4]);
-                u32::from_le_bytes(w)
-            };
-            half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4)
-        }
-        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
-        _ => a == b,
+    /// The actor of the rule at `position` (`""` without an actor field or
+    /// value), as [`Rule::actor`] gives it.
+    pub(super) fn actor(&self, position: usize) -> &'p str {
+        self.rules
+            .get(position)
+            .and_then(|rule| rule.actor.as_ref())
+            .and_then(|key| self.value(key))
+            .unwrap_or("")
     }
 }
 
@@ -256,27 +344,6 @@ mod tests {
     use crate::protocol::parse_line;
     use crate::rules::RuleSet;
     use proptest::prelude::*;
-
-    #[test]
-    fn short_eq_is_equality() {
-        let words: Vec<Vec<u8>> = (0..20)
-            .flat_map(|n| {
-                let base: Vec<u8> = (0..n).map(|i| b'a' + i as u8).collect();
-                let mut variants = vec![base.clone()];
-                for i in 0..n {
-                    let mut v = base.clone();
-                    v[i] ^= 1;
-                    variants.push(v);
-                }
-                variants
-            })
-            .collect();
-        for a in &words {
-            for b in &words {
-                assert_eq!(short_eq(a, b), a == b, "{a:?} {b:?}");
-            }
-        }
-    }
 
     /// Rules over few keys and values, so that requests often match (and
     /// few rules mask later ones, which loading refuses).
@@ -294,8 +361,9 @@ mod tests {
                 String::new()
             };
             ini.push_str(&format!(
-                "[k{}={value}{other}]\ncreditLimit=1\nresetSeconds=1\nlabel=r{i}\n",
-                key % 3
+                "[k{}={value}{other}]\ncreditLimit=1\nresetSeconds=1\nlabel=r{i}\nactorField=k{}\n",
+                key % 3,
+                (key + shape) % 4
             ));
             if canary {
                 ini.push_str("matchPolicy=canary\n");
@@ -328,7 +396,12 @@ mod tests {
                     }
                 }
             }
-            let evaluated: Vec<usize> = set.evaluate(&command.pairs).map(|r| r.position).collect();
+            let mut evaluated = Vec::new();
+            let mut evaluation = set.evaluate(&command.pairs);
+            while let Some(rule) = evaluation.next() {
+                prop_assert_eq!(evaluation.actor(rule), rule.actor(&command.pairs));
+                evaluated.push(rule.position);
+            }
             prop_assert_eq!(&evaluated, &naive);
             for index_rules_min in [0, usize::MAX] {
                 let matcher = Matcher::build(set.rules(), index_rules_min);

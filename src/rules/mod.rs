@@ -303,7 +303,7 @@ impl RuleSet {
     /// The rules a request evaluates, in order: every matching canary rule up to
     /// the first matching stop rule, which ends the list. The answer is the
     /// result of the last rule yielded.
-    pub fn evaluate<'s, 'p>(&'s self, request: &Pairs<'p>) -> Evaluated<'s, 'p> {
+    pub fn evaluate<'s, 'r, 'p>(&'s self, request: &'r Pairs<'p>) -> Evaluated<'s, 'r, 'p> {
         Evaluated {
             rules: &self.rules,
             evaluation: self.matcher.start(request),
@@ -328,13 +328,21 @@ impl RuleSet {
 }
 
 /// Iterator over the rules a request evaluates (see [`RuleSet::evaluate`]).
-pub struct Evaluated<'s, 'p> {
+pub struct Evaluated<'s, 'r, 'p> {
     rules: &'s [Rule],
-    evaluation: matcher::Evaluation<'s, 'p>,
+    evaluation: matcher::Evaluation<'s, 'r, 'p>,
     done: bool,
 }
 
-impl<'s> Iterator for Evaluated<'s, '_> {
+impl<'p> Evaluated<'_, '_, 'p> {
+    /// The actor of `rule`, one this evaluation yielded: [`Rule::actor`],
+    /// from the values already looked up.
+    pub fn actor(&self, rule: &Rule) -> &'p str {
+        self.evaluation.actor(rule.position)
+    }
+}
+
+impl<'s> Iterator for Evaluated<'s, '_, '_> {
     type Item = &'s Rule;
 
     fn next(&mut self) -> Option<&'s Rule> {
