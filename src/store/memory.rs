@@ -357,7 +357,11 @@ pub struct MemoryStoreConfig {
 impl Default for MemoryStoreConfig {
     fn default() -> Self {
         MemoryStoreConfig {
-            stripes: 256,
+            // Small tables: a table grows (rehashes) under its stripe's lock,
+            // and a small one does so in microseconds (256 stripes let inserts
+            // wait over a millisecond at 1 M counters; 4096 make the lock
+            // lines themselves miss the cache: docs/benchmarks.md).
+            stripes: 1024,
             live_keys_max: 10_000_000,
         }
     }
