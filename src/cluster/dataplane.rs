@@ -81,6 +81,9 @@ impl DataStats {
     }
 }
 
+/// Answers for slots of one read batch's board.
+type BoardAnswers = (Arc<SlotBoard>, Vec<(u32, WireDecision)>);
+
 /// A state decided by a leader, waiting to enter the open round.
 pub struct DecidedState {
     pub shard: u32,
@@ -581,7 +584,7 @@ impl DataPlane {
             return;
         }
         let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
-        let mut local: Vec<(Arc<SlotBoard>, Vec<(u32, WireDecision)>)> = Vec::new();
+        let mut local: Vec<BoardAnswers> = Vec::new();
         for section in ended {
             match &section.end {
                 SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),

@@ -218,11 +218,12 @@ impl ForwardWait {
     pub fn answer_many(&mut self, answers: &mut Vec<(u32, WireDecision)>) -> bool {
         let slots = &self.slots;
         let mut answered = 0;
-        self.board.fill_many(answers.drain(..).filter_map(|(index, decision)| {
-            let slot = *slots.get(index as usize)?;
-            answered += 1;
-            Some((slot, decision))
-        }));
+        self.board
+            .fill_many(answers.drain(..).filter_map(|(index, decision)| {
+                let slot = *slots.get(index as usize)?;
+                answered += 1;
+                Some((slot, decision))
+            }));
         self.answered += answered;
         self.answered as usize >= self.slots.len()
     }

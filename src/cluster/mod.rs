@@ -266,9 +266,9 @@ impl Cluster {
 
     /// `/readyz`'s cluster condition: every shard can be decided from this
     /// node now (it leads it, prepared, or a leader it can reach does).
-    pub fn readiness_check(&self) -> Arc<dyn crate::observability::health::ReadinessCheck> {
+    pub fn readiness_check(&self) -> impl Fn() -> Result<(), String> + Send + Sync + 'static {
         let dp = Arc::clone(&self.node.dp);
-        Arc::new(move || {
+        move || {
             let unservable = dp.unservable_shards();
             match unservable.first() {
                 None => Ok(()),
@@ -278,7 +278,7 @@ impl Cluster {
                     dp.placement.shards()
                 )),
             }
-        })
+        }
     }
 
     /// This node's client address from the cluster file.
