@@ -274,14 +274,18 @@ impl DataPlane {
     }
 
     /// Queues decided states for the next round and wakes the replicator.
+    /// The replicator is woken only by the first states of a round (it
+    /// takes everything queued when it runs) or, in fast mode, by a round
+    /// that is full: waking a parked thread costs a system call.
     pub fn push_states<'a>(&self, states: impl IntoIterator<Item = (&'a [u8], DecidedState)>) {
         let now = Instant::now();
         let wake = {
             let mut round = self.round.lock();
+            let was_empty = round.is_empty();
             for (key, s) in states {
                 round.push(s.shard, s.term, key, &s.state, s.waiter, now);
             }
-            !round.is_empty()
+            !round.is_empty() && (was_empty || round.states() >= self.settings.batch_ops_max)
         };
         if wake {
             self.replicate.notify_one();
