@@ -160,6 +160,12 @@ impl DataPlane {
         self.replicas.get(shard as usize)?.load_full()
     }
 
+    /// The replica of `shard`, borrowed for a moment (no reference count
+    /// touched: the hot path's lookup).
+    pub fn replica_ref(&self, shard: u32) -> Option<arc_swap::Guard<Option<Arc<Replica>>>> {
+        Some(self.replicas.get(shard as usize)?.load())
+    }
+
     pub fn install_replica(&self, replica: Arc<Replica>) {
         if let Some(slot) = self.replicas.get(replica.shard as usize) {
             slot.store(Some(replica));
@@ -480,7 +486,8 @@ impl DataPlane {
         decided: &mut Vec<(usize, usize, DecidedState)>,
     ) -> Option<WireDecision> {
         let shard = self.placement.shard_of(op.key);
-        let Some(replica) = self.replica(shard) else {
+        let guard = self.replica_ref(shard);
+        let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
             return Some(WireDecision::Retry {
                 shard,
                 why: ShardRefusal::NotReplicated(self.me),
@@ -538,7 +545,8 @@ impl DataPlane {
             let key = reader.bytes()?;
             states.push((key, reader.state()?));
         }
-        let refused = match self.replica(header.shard) {
+        let guard = self.replica_ref(header.shard);
+        let refused = match guard.as_deref().and_then(Option::as_ref) {
             None => Some(ApplyRefusal::NotReplica),
             Some(replica) => {
                 match replica.apply(
@@ -768,6 +776,10 @@ impl DataPlane {
                 }
             };
             if ready {
+                // Let the tasks woken with this one (frame readers deciding
+                // forwarded hits) add their states first: one round, one
+                // frame per peer, carries them all.
+                tokio::task::yield_now().await;
                 self.send_round();
             }
             let mut ended = Vec::new();
@@ -786,9 +798,7 @@ impl DataPlane {
                 last_forward_sweep = now;
             }
             if ready {
-                // More may have arrived while sending: look again first.
-                tokio::task::yield_now().await;
-                continue;
+                continue; // More may have arrived while sending: look again.
             }
             match wake_at {
                 Some(at) => {

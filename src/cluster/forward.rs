@@ -281,11 +281,12 @@ impl ClusterBatch {
 
     /// Routes one op (see the module doc); returns its slot's answer.
     fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> SlotAnswer {
-        let dp = Arc::clone(&self.dp);
+        let dp: &DataPlane = &self.dp;
         match dp.leaders.leader(shard) {
             None => SlotAnswer::Retry(ShardRefusal::NoLeader),
             Some(leader) if leader == dp.me => {
-                let Some(replica) = dp.replica(shard) else {
+                let guard = dp.replica_ref(shard);
+                let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
                     return SlotAnswer::Retry(ShardRefusal::NotReplicated(dp.me));
                 };
                 match replica.decide(&dp.store, op, now_ms) {
