@@ -327,6 +327,11 @@ impl App {
                 store: Some(Arc::clone(&store)),
                 buckets: Some(Arc::clone(&buckets)),
                 readiness: Arc::new(readiness),
+                cluster: cluster.as_ref().map(|c| {
+                    let source: crate::observability::exposition::ClusterSource =
+                        Arc::new(c.stats_source());
+                    source
+                }),
             },
         )?;
         let endpoints = Endpoints {
