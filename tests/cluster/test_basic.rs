@@ -119,7 +119,10 @@ fn cluster_status_shows_nodes_shards_leaders_and_lag() {
     let forwarded = stats[1].forwarded_ops;
     let decided_elsewhere: u64 = stats.iter().map(|s| s.forwards_decided).sum();
     assert_eq!(decided_elsewhere, forwarded, "{stats:?}");
-    assert!(forwarded > 0 && stats[1].forward_batches <= forwarded, "{stats:?}");
+    assert!(
+        forwarded > 0 && stats[1].forward_batches <= forwarded,
+        "{stats:?}"
+    );
     let replicated: u64 = stats.iter().map(|s| s.states_replicated).sum();
     assert!(replicated >= 50, "{stats:?}");
     let committed: u64 = stats.iter().map(|s| s.sections_committed).sum();
