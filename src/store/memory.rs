@@ -38,6 +38,11 @@ const STRIPE_HASH_SHIFT: u32 = 40;
 /// fit.
 pub const INLINE_KEY_BYTES_MAX: usize = 23;
 
+/// How long an empty store's sweeper sleeps between looks: nothing can
+/// expire before a key is stored, and the first sweep after that comes at
+/// most this late.
+pub const IDLE_SWEEP_PAUSE_MS: u64 = 1_000;
+
 /// The first byte of a spilled slot's head (inline keys store their length,
 /// at most [`INLINE_KEY_BYTES_MAX`], there).
 const SPILLED: u8 = 0xff;
@@ -641,7 +646,8 @@ impl<S: StoredState> StripedStore<S> {
     }
 
     /// Starts a thread that sweeps `entries_per_tick` entries every `tick`,
-    /// until the store is dropped.
+    /// until the store is dropped. While the store holds nothing, it looks
+    /// only every [`IDLE_SWEEP_PAUSE_MS`] (an idle server wakes less).
     pub fn spawn_sweeper(
         self: &Arc<Self>,
         clock: Arc<dyn crate::clock::Clock>,
@@ -652,10 +658,17 @@ impl<S: StoredState> StripedStore<S> {
         std::thread::Builder::new()
             .name("tollgate-sweeper".into())
             .spawn(move || {
+                let idle_pause = tick.max(Duration::from_millis(IDLE_SWEEP_PAUSE_MS));
                 let mut next = 0;
+                let mut pause = tick;
                 loop {
-                    std::thread::sleep(tick);
+                    std::thread::sleep(pause);
                     let Some(store) = store.upgrade() else { return };
+                    if store.live_keys() == 0 {
+                        pause = idle_pause;
+                        continue;
+                    }
+                    pause = tick;
                     next = store.sweep_step(next, entries_per_tick, clock.now_ms());
                 }
             })
