@@ -305,6 +305,12 @@ pub fn fetch_topology(addr: &str, timeout: Duration) -> anyhow::Result<Topology>
         .read_line(&mut line)
         .with_context(|| format!("no answer from {addr}"))?;
     let line = line.trim_end();
+    if line.is_empty() {
+        anyhow::bail!(
+            "{addr} closed the connection without answering TOPOLOGY: a peer port? \
+             `cluster status --node` takes a node's client address (its `client =` line)"
+        );
+    }
     if line.starts_with("ERR ") {
         anyhow::bail!("{addr} answered {line} (is it running in cluster mode?)");
     }
