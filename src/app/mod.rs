@@ -329,7 +329,7 @@ impl App {
         };
         let mut readiness = Readiness::new(Arc::clone(&engine.metrics));
         if let Some(cluster) = &cluster {
-            readiness = readiness.with_check(cluster.readiness_check());
+            readiness = readiness.with_backend_check(cluster.readiness_check());
         }
         let observability = Observability::start(
             &config.observability,

@@ -11,6 +11,7 @@
 
 use crate::droplet::Buckets;
 use crate::engine::Engine;
+use super::health::Readiness;
 use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES, HIT_DURATION_BUCKETS_SECONDS};
 use crate::store::MemoryStore;
 use prometheus::core::{Collector, Desc};
@@ -45,6 +46,8 @@ pub struct ExportSources {
     pub store: Option<Arc<MemoryStore>>,
     /// The droplet token buckets, when the server keeps them.
     pub buckets: Option<Arc<Buckets>>,
+    /// Says whether the backend can decide hits (`tollgate_backend_healthy`).
+    pub readiness: Arc<Readiness>,
 }
 
 /// Renders the exposition text on demand.
@@ -247,7 +250,7 @@ impl Collector for ServerCollector {
                 counter(&STATSD_DROPPED, &[reason.as_str()], dropped)
             })
             .collect();
-        let healthy = f64::from(u8::from(metrics.backend_healthy()));
+        let healthy = f64::from(u8::from(self.sources.readiness.backend_health().is_ok()));
         let mut out = vec![
             plain_gauge(&DIVVY_CONNECTIONS, metrics.connections_open() as f64),
             family(&DIVVY_HIT_DURATION, vec![hit_duration(metrics)]),

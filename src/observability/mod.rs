@@ -90,6 +90,7 @@ impl Observability {
                         engine: observed.engine,
                         store: observed.store,
                         buckets: observed.buckets,
+                        readiness: Arc::clone(&observed.readiness),
                     })?,
                     readiness: Arc::clone(&observed.readiness),
                     metrics_path: config.metrics_path.clone(),

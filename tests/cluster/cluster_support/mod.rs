@@ -110,6 +110,9 @@ pub struct TestCluster {
     pub proxies: BTreeMap<(u64, u64), Proxy>,
     /// The shared secret file every node is started with ([`SECRET`]).
     pub secret_path: PathBuf,
+    /// With [`TestCluster::start_observed`]: each node's HTTP metrics and
+    /// health listener (`--metrics-listen`, metrics at `/metrics`).
+    pub metrics: BTreeMap<u64, SocketAddr>,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -138,7 +141,29 @@ impl TestCluster {
         Self::start_with(count, shards, args, true)
     }
 
+    /// Like [`TestCluster::start`] (proxied or not), every node also serving
+    /// `/metrics`, `/healthz` and `/readyz` on its own port
+    /// ([`TestCluster::metrics_addr`]).
+    pub fn start_observed(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
+        let ports = free_ports(count);
+        let metrics = (1..=count as u64)
+            .zip(ports)
+            .map(|(id, port)| (id, SocketAddr::from(([127, 0, 0, 1], port))))
+            .collect();
+        Self::start_full(count, shards, args, proxied, metrics)
+    }
+
     fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
+        Self::start_full(count, shards, args, proxied, BTreeMap::new())
+    }
+
+    fn start_full(
+        count: usize,
+        shards: u32,
+        args: &[&str],
+        proxied: bool,
+        metrics: BTreeMap<u64, SocketAddr>,
+    ) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         let ports = free_ports(count * 2);
         let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n");
@@ -180,6 +205,7 @@ impl TestCluster {
             cluster_path,
             proxies,
             secret_path,
+            metrics,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -190,6 +216,14 @@ impl TestCluster {
 
     fn node(&mut self, id: u64) -> &mut Node {
         &mut self.nodes[(id - 1) as usize]
+    }
+
+    /// Node `id`'s metrics and health listener (observed clusters only).
+    pub fn metrics_addr(&self, id: u64) -> SocketAddr {
+        *self
+            .metrics
+            .get(&id)
+            .unwrap_or_else(|| panic!("node {id} serves no metrics: use start_observed"))
     }
 
     pub fn client(&self, id: u64) -> SocketAddr {
@@ -215,6 +249,14 @@ impl TestCluster {
         for ((_, to), proxy) in self.proxies.range((id, 0)..=(id, u64::MAX)) {
             args.push("--peer-route".to_string());
             args.push(format!("{to}={}", proxy.addr));
+        }
+        if let Some(addr) = self.metrics.get(&id) {
+            args.extend([
+                "--metrics-listen".to_string(),
+                addr.to_string(),
+                "--metrics-path".to_string(),
+                "/metrics".to_string(),
+            ]);
         }
         let node = self.node(id);
         node.restarts += 1;
@@ -773,4 +815,31 @@ pub fn wait_shards_serve(addr: SocketAddr, shards: u32, bound: Duration) -> Dura
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `GET path` over HTTP/1.1 on a fresh connection: the status code and the
+/// body; `None` when the server does not answer.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::Read;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split(' ').nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_string();
+    Some((status, body))
+}
+
+/// The value of the Prometheus sample `series` (name and labels, exactly as
+/// exposed) at `addr`'s `/metrics`.
+pub fn metric(addr: SocketAddr, series: &str) -> Option<f64> {
+    let (_, body) = http_get(addr, "/metrics")?;
+    body.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
 }
