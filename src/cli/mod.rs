@@ -10,6 +10,7 @@
 mod cluster;
 mod control;
 mod errors;
+mod logging;
 mod observability;
 mod serve;
 mod values;

@@ -251,7 +251,7 @@ impl ServeArgs {
                 entries_per_tick: self.sweep_entries_per_tick,
             },
             unavailable_policy: self.unavailable_policy,
-            debug_rules: divvy_debug(),
+            debug_rules: super::logging::divvy_debug(),
             pid_file: self.pid_file,
             droplet: DropletConfig {
                 listen: self.droplet.droplet_listen,
@@ -266,36 +266,10 @@ impl ServeArgs {
     }
 }
 
-/// divvy's `DEBUG=divvy` (a comma-separated list of names): log each
-/// evaluated rule.
-fn divvy_debug() -> bool {
-    std::env::var("DEBUG").is_ok_and(|v| v.split(',').any(|name| name.trim() == "divvy"))
-}
-
-pub fn init_logging(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let mut filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=error"));
-    if divvy_debug() {
-        if let Ok(directive) = "divvy=debug".parse() {
-            filter = filter.add_directive(directive);
-        }
-    }
-    use std::io::IsTerminal as _;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
 /// `tollgate serve`: logs, builds the server, announces it on stdout once it
 /// serves, and serves until SIGINT or SIGTERM (SIGHUP reloads the rules).
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    super::logging::init_logging(args.log_format);
     let join = args.cluster.join_existing;
     let config = args.into_config()?;
     // Until the server is built (a cluster join may wait for peers), a signal

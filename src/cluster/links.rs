@@ -16,7 +16,12 @@
 //! answer arrives or the connection closes; the peer answers every request,
 //! so slots do not pile up.
 //!
+//! Each link logs its peer's reachability when it changes
+//! ([`reachability`]).
+//!
 //! This module also adapts links to openraft's `RaftNetwork` for one shard.
+
+mod reachability;
 
 use super::auth::{self, PeerSecrets};
 use super::codec;
@@ -34,6 +39,7 @@ use openraft::raft::{
 };
 use openraft::BasicNode;
 use parking_lot::{Mutex, RwLock};
+use reachability::Reachability;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -169,6 +175,9 @@ async fn run_link(
 ) {
     let out = target.data.out(target.id);
     let mut last_failure: Option<(Instant, LinkError)> = None;
+    let mut reach = Reachability::new(target.id, target.addr);
+    // Why the last connection ended, for the line saying the peer is down.
+    let mut lost: Option<String> = None;
     loop {
         // Connect when there is something to say: a call, data, or a beat.
         let first = tokio::select! {
@@ -207,14 +216,23 @@ async fn run_link(
         }
         match connected {
             Err(error) => {
+                let why = match lost.take() {
+                    Some(lost) => format!("connection lost ({lost}), then {error}"),
+                    None => error.to_string(),
+                };
+                reach.down(&why);
                 fail_all(&mut receiver, first, &error);
                 last_failure = Some((Instant::now(), error));
             }
             Ok((stream, _report)) => {
                 last_failure = None;
+                reach.up();
                 target.data.peer_connected(target.id);
-                let lost = serve_connection(&target, stream, first, &mut receiver, &out).await;
-                target.data.peer_disconnected(target.id, &lost);
+                let why =
+                    serve_connection(&target, stream, first, &mut receiver, &out, &mut reach).await;
+                tracing::debug!(peer = target.id, addr = %target.addr, "peer connection lost: {why}");
+                target.data.peer_disconnected(target.id, &why);
+                lost = Some(why);
             }
         }
     }
@@ -273,6 +291,7 @@ async fn serve_connection(
     first: Option<Call>,
     receiver: &mut mpsc::UnboundedReceiver<Call>,
     out: &PeerOut,
+    reach: &mut Reachability,
 ) -> String {
     let peer = target.id;
     let (read_half, mut write_half) = stream.into_split();
@@ -312,6 +331,7 @@ async fn serve_connection(
                 _ = beat.tick() => {
                     beat_due = !wrote_since_beat;
                     wrote_since_beat = false;
+                    reach.up();
                 }
                 ended = &mut reader => break ended.unwrap_or_else(|e| e.to_string()),
             }

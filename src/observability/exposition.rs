@@ -9,9 +9,9 @@
 //! label values are hit statuses, rule labels (from the configuration), error
 //! codes, the backend's name, the drop reason and the version.
 
+use super::health::Readiness;
 use crate::droplet::Buckets;
 use crate::engine::Engine;
-use super::health::Readiness;
 use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES, HIT_DURATION_BUCKETS_SECONDS};
 use crate::store::MemoryStore;
 use prometheus::core::{Collector, Desc};

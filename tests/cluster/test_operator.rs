@@ -1,7 +1,8 @@
 //! What an operator of a cluster watches and types. A node cut off from
 //! both peers stops being ready at once (`/readyz` 503 naming a shard,
 //! `tollgate_backend_healthy{backend="cluster"} 0`), counts the hits it
-//! refuses as backend errors, and is ready again soon after the links heal.
+//! refuses as backend errors, and is ready again soon after the links heal;
+//! its log says once which peers were unreachable and holds no error.
 //! The membership commands accept a client address for `--node` (they ask
 //! it for its peer address), and `cluster status` pointed at a peer port
 //! says what it takes.
@@ -87,6 +88,24 @@ fn a_node_cut_off_from_its_peers_is_not_ready_and_recovers() {
     // The other nodes never stopped being ready for long: they are ready now.
     for id in [2, 3] {
         wait_readyz(&cluster, id, 200, Duration::from_secs(20));
+    }
+
+    // The logs say which peers were unreachable, once each, and hold no
+    // error: nothing here needed an operator.
+    let log = cluster.log(1);
+    for peer in [2, 3] {
+        let addr = cluster.link(1, peer).addr;
+        let unreachable = format!("WARN tollgate::cluster::links::reachability: peer node {peer} at {addr} is unreachable: ");
+        let again = format!("peer node {peer} at {addr} is reachable again");
+        assert_eq!(log.matches(&unreachable).count(), 1, "{log}");
+        assert_eq!(log.matches(&again).count(), 1, "{log}");
+    }
+    for id in 1..=3 {
+        let log = cluster.log(id);
+        assert!(
+            !log.contains(" ERROR "),
+            "node {id} logged an error:\n{log}"
+        );
     }
 }
 
