@@ -22,8 +22,10 @@ use prometheus::{Encoder, Registry, TextEncoder};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The content type of the text format (what prom-client answered with).
-pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+/// The content type of the text format, as prom-client (divvy's) and
+/// docs/observability.md give it; the prometheus crate's `TEXT_FORMAT`
+/// lacks the charset.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
