@@ -11,6 +11,9 @@ use std::sync::Arc;
 use tollgate::limiter::{fixed_window_hit, WindowQuota};
 use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
+/// Thresholds for counting slow inserts, in microseconds.
+const SLOW_BOUNDS_US: [u128; 3] = [50, 200, 1000];
+
 fn resident_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages: u64 = statm
@@ -51,11 +54,14 @@ fn main() {
     for count in counts {
         let before = resident_bytes();
         let store = Arc::new(MemoryStore::new(MemoryStoreConfig {
-            stripes: 256,
             live_keys_max: usize::MAX,
+            ..MemoryStoreConfig::default()
         }));
         let mut key = Vec::with_capacity(32);
         let mut key_bytes = 0u64;
+        // The longest single update: a stripe's table growing under its lock.
+        let mut longest_update = std::time::Duration::ZERO;
+        let mut slow = [0u64; SLOW_BOUNDS_US.len()];
         for i in 0..count {
             key.clear();
             key.extend_from_slice(&7u32.to_le_bytes());
@@ -65,7 +71,17 @@ fn main() {
             );
             key.extend_from_slice(&(i >> 24).to_le_bytes()[..1]);
             key_bytes += key.len() as u64;
+            let started = std::time::Instant::now();
             let _ = store.update(&key, now, |s| fixed_window_hit(s, quota, now));
+            let took = started.elapsed();
+            if took > longest_update {
+                longest_update = took;
+            }
+            for (bound, n) in SLOW_BOUNDS_US.iter().zip(slow.iter_mut()) {
+                if took.as_micros() > *bound {
+                    *n += 1;
+                }
+            }
         }
         let grown = resident_bytes().saturating_sub(before);
         println!(
@@ -74,6 +90,11 @@ fn main() {
             grown as f64 / count as f64,
             (grown as f64 - key_bytes as f64) / count as f64,
             key_bytes as f64 / count as f64,
+        );
+        println!(
+            "memory/{count}-counters: longest single insert {:.0} us; inserts over 50 us, 200 us, 1 ms: {:?}",
+            longest_update.as_secs_f64() * 1e6,
+            slow
         );
         assert_eq!(store.live_keys() as u64, count);
     }

@@ -1,28 +1,38 @@
 #!/usr/bin/env bash
-# Benchmarks one node against a three-node cluster (strict, then fast) on
-# this machine, with the same load, in one run, and prints Markdown tables.
+# Benchmarks one node against clusters on this machine, with the same load,
+# in one run, and prints Markdown tables (the figures of docs/benchmarks.md,
+# "Cluster data path").
 #
 #   cargo build --release --workspace
 #   cluster/bench.sh            # results and JSON files in $OUT_DIR
 #
-# 1. Closed loop (maximum throughput): one node, then three nodes strict,
-#    then fast, with the CPU time the servers used per hit (all three nodes
-#    together for the cluster; from /proc, over the measured window). Every hit is admitted (the rule has a huge limit), so in
-#    cluster mode every hit is replicated: the worst case. For the cluster,
-#    one load generator per node runs at once (each with a third of the
-#    connections); throughputs add up, latencies are per node.
-# 2. Open loop at one rate for all three setups: a third of the strict
-#    cluster's maximum from step 1 (so strict runs at a third of its own
-#    maximum, and fast and one node run at the same offered load).
-# 3. Failover under load (strict): while the open-loop load of step 2 runs,
+# Every node and load generator shares this machine's cores, so compare the
+# ratios of one run, not absolute figures across runs.
+#
+# 1. Closed loop (maximum throughput), CONNECTIONS connections x PIPELINE:
+#    one node; three nodes strict; three nodes fast; three nodes fast with
+#    leader-aware clients (`tollgate-loadtest --leader-aware`, every hit
+#    straight to its shard's leader); five nodes strict (nodes 4 and 5
+#    joined with `cluster add-node`). Every hit is admitted (the rule has a
+#    huge limit), so every hit is replicated: the worst case. One generator
+#    per node, a share of the connections each, the same ACTORS actors for
+#    every setup. For each: the servers' CPU per hit (user + system of every
+#    server process over the measured window, from /proc) and system calls
+#    per hit (`perf stat -e raw_syscalls:sys_enter`, when perf is
+#    installed), and the data path's counters from `cluster status --json`
+#    (replication rounds, states per round and per shard section, hits per
+#    forwarded batch, frames per write).
+# 2. Idle: a three-node cluster doing nothing, CPU over IDLE_SECONDS.
+# 3. Open loop at a third of the strict cluster's maximum from step 1, for
+#    one node and three nodes strict: p99 latency.
+# 4. Failover under load (strict): while the open-loop load of step 3 runs,
 #    the node leading the most shards is SIGKILLed; a probe
 #    (`tollgate-loadtest failover-probe`) hitting every shard through a
-#    surviving node, round after round, measures the time from the kill
-#    until every shard answers again.
-#    FAILOVERS rounds, the killed node restarted between them.
-# Settings: LOADTEST (binary), TOLLGATE, CONNECTIONS (48), PIPELINE (16),
-# DURATION (10 s), WARMUP (2 s), ACTORS (100000), BASE_PORT (28321, below
-# the ephemeral port range), SHARDS (64), FAILOVERS (3), OUT_DIR.
+#    surviving node measures the time from the kill until every shard
+#    answers again. FAILOVERS rounds, the killed node restarted between.
+# Settings: LOADTEST, TOLLGATE (binaries), CONNECTIONS (48), PIPELINE (16),
+# DURATION (10 s), WARMUP (3 s), ACTORS (100000), SHARDS (64), FAILOVERS (3),
+# IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,9 +44,10 @@ done
 CONNECTIONS=${CONNECTIONS:-48}
 PIPELINE=${PIPELINE:-16}
 DURATION=${DURATION:-10}
-WARMUP=${WARMUP:-2}
+WARMUP=${WARMUP:-3}
 ACTORS=${ACTORS:-100000}
 FAILOVERS=${FAILOVERS:-3}
+IDLE_SECONDS=${IDLE_SECONDS:-10}
 SHARDS=${SHARDS:-64}
 export SHARDS
 BASE_PORT=${BASE_PORT:-28321}
@@ -44,6 +55,7 @@ OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT
 export RUN_DIR="$OUT_DIR/run"
+PERF=$(command -v perf || true)
 
 RULES="$OUT_DIR/bench.ini"
 cat > "$RULES" <<'INI'
@@ -58,55 +70,98 @@ resetSeconds = 60
 INI
 export RULES
 
-load() { # load NAME TARGET CONNECTIONS PREFIX
-  "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline "$PIPELINE" \
-    --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix "$4" \
-    --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" > "$OUT_DIR/$1.txt"
+# load NAME TARGET CONNECTIONS [MORE_LOADTEST_FLAGS...]
+load() {
+  local name=$1 target=$2 connections=$3; shift 3
+  "$LOADTEST" --target "$target" --protocol divvy --connections "$connections" --pipeline "$PIPELINE" \
+    --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix a \
+    --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$name.json" "$@" > "$OUT_DIR/$name.txt"
 }
 
-# CPU seconds the given processes used so far (user + system).
-cpu_seconds() {
-  local ticks=0 pid
+# CPU ticks (user, system) the given processes used so far.
+cpu_ticks() {
+  local user=0 system=0 pid
   for pid in "$@"; do
-    ticks=$((ticks + $(awk '{print $14 + $15}' "/proc/$pid/stat")))
+    read -r u s < <(awk '{print $14, $15}' "/proc/$pid/stat")
+    user=$((user + u)); system=$((system + s))
   done
-  echo "$ticks $(getconf CLK_TCK)" | awk '{printf "%.2f", $1 / $2}'
+  echo "$user $system"
 }
-# Writes NAME.cpu: the CPU seconds PIDS used during the measured window.
-measure_cpu() { # measure_cpu NAME PIDS...
-  local name=$1; shift
+# Writes NAME.cpu (user and system seconds over the measured window),
+# NAME.syscalls (system calls then, when perf works) and, for a cluster,
+# NAME.stats-before/after (the data path's counters).
+measure() { # measure NAME STATUS_NODE PIDS...
+  local name=$1 status_node=$2; shift 2
   sleep "$WARMUP"
-  local before; before=$(cpu_seconds "$@")
-  sleep "$DURATION"
-  echo "$before $(cpu_seconds "$@")" | awk '{printf "%.2f\n", $2 - $1}' > "$OUT_DIR/$name.cpu"
+  if [[ -n $status_node ]]; then
+    "$TOLLGATE" cluster status --json --node "$status_node" > "$OUT_DIR/$name.stats-before" 2>/dev/null || true
+  fi
+  local before; before=$(cpu_ticks "$@")
+  if [[ -n $PERF ]] && "$PERF" stat -e raw_syscalls:sys_enter -p "$(echo "$@" | tr ' ' ,)" -o "$OUT_DIR/$name.perf" -- sleep "$DURATION" 2>/dev/null; then
+    :
+  else
+    sleep "$DURATION"
+  fi
+  local after; after=$(cpu_ticks "$@")
+  if [[ -n $status_node ]]; then
+    "$TOLLGATE" cluster status --json --node "$status_node" > "$OUT_DIR/$name.stats-after" 2>/dev/null || true
+  fi
+  echo "$before $after $(getconf CLK_TCK)" | awk '{printf "%.3f %.3f\n", ($3-$1)/$5, ($4-$2)/$5}' > "$OUT_DIR/$name.cpu"
 }
-cluster_pids() { cat "$RUN_DIR"/node[123].pid; }
+cluster_pids() { cat "$RUN_DIR"/node*.pid; }
 
-echo "single node" >&2
+# cluster_run NAME NODES [LOADTEST_FLAGS...]: load every node of a running
+# cluster, a share of the connections each, while measuring.
+cluster_run() {
+  local name=$1 nodes=$2; shift 2
+  # shellcheck disable=SC2046
+  measure "$name" "127.0.0.1:$BASE_PORT" $(cluster_pids) &
+  local m=$!
+  for n in $(seq 1 "$nodes"); do
+    load "$name-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / nodes))" "$@" &
+  done
+  wait
+  echo "$nodes" > "$OUT_DIR/$name.nodes"
+}
+
+echo "one node" >&2
 "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single.log" 2>&1 &
 single=$!
 sleep 1
-measure_cpu single "$single" &
-cpu=$!
-load single "127.0.0.1:$BASE_PORT" "$CONNECTIONS" s
-wait "$cpu"
+measure single "" "$single" &
+m=$!
+load single "127.0.0.1:$BASE_PORT" "$CONNECTIONS"
+wait "$m"
 kill "$single"; wait "$single" || true
+echo 1 > "$OUT_DIR/single.nodes"
 
-for mode in strict fast; do
+for mode in strict fast aware; do
   echo "three nodes, $mode" >&2
-  CONSISTENCY=$mode "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$mode.txt"
-  per_node=$((CONNECTIONS / 3))
-  # shellcheck disable=SC2046
-  measure_cpu "$mode" $(cluster_pids) &
-  for n in 1 2 3; do
-    load "$mode-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$mode$n" &
-  done
-  wait
+  consistency=$mode; flags=()
+  if [[ $mode == aware ]]; then consistency=fast; flags=(--leader-aware --rules "$RULES"); fi
+  CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$mode.txt"
+  cluster_run "$mode" 3 "${flags[@]}"
+  if [[ $mode == strict ]]; then
+    echo "idle three-node cluster, ${IDLE_SECONDS} s" >&2
+    sleep 2
+    # shellcheck disable=SC2046
+    before=$(cpu_ticks $(cluster_pids)); sleep "$IDLE_SECONDS"
+    # shellcheck disable=SC2046
+    after=$(cpu_ticks $(cluster_pids))
+    echo "$before $after $(getconf CLK_TCK) $IDLE_SECONDS" \
+      | awk '{printf "%.2f\n", 100 * (($3-$1)+($4-$2)) / $5 / $6}' > "$OUT_DIR/idle.percent"
+    echo "five nodes, strict (nodes 4 and 5 join)" >&2
+    "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-4.txt"
+    "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-5.txt"
+    sleep 3 # leader balancing hands the new nodes their share
+    cluster_run five 5
+  fi
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$mode.txt" || true
   "$ROOT/cluster/local.sh" down > /dev/null
+  rm -rf "$RUN_DIR"
 done
 
-# Step 2: open loop at a third of the strict cluster's maximum.
+# Step 3: open loop at a third of the strict cluster's maximum.
 RATE=$(python3 - "$OUT_DIR" <<'PY'
 import json, os, sys
 total = sum(json.load(open(os.path.join(sys.argv[1], f"strict-node{n}.json")))["throughput_per_sec"] for n in (1, 2, 3))
@@ -115,30 +170,26 @@ PY
 )
 export RATE
 echo "open loop at $RATE hits/s" >&2
-open_load() { # open_load NAME TARGET CONNECTIONS RATE PREFIX
+open_load() { # open_load NAME TARGET CONNECTIONS RATE
   "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline "$PIPELINE" --rate "$4" \
-    --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix "$5" \
+    --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix o \
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" > "$OUT_DIR/$1.txt"
 }
 "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
 single=$!
 sleep 1
-open_load open-single "127.0.0.1:$BASE_PORT" "$CONNECTIONS" "$RATE" os
+open_load open-single "127.0.0.1:$BASE_PORT" "$CONNECTIONS" "$RATE"
 kill "$single"; wait "$single" || true
 per_node=$((CONNECTIONS / 3))
 per_node_rate=$((RATE / 3))
-for mode in strict fast; do
-  CONSISTENCY=$mode "$ROOT/cluster/local.sh" up > /dev/null
-  for n in 1 2 3; do
-    open_load "open-$mode-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" "o$mode$n" &
-  done
-  wait %1 %2 %3 2>/dev/null || wait
-  "$ROOT/cluster/local.sh" down > /dev/null
-done
-
-# Step 3: failover under load.
-echo "failover, strict, $FAILOVERS rounds" >&2
 CONSISTENCY=strict "$ROOT/cluster/local.sh" up > /dev/null
+for n in 1 2 3; do
+  open_load "open-strict-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" &
+done
+wait
+
+# Step 4: failover under load, on the same cluster.
+echo "failover, strict, $FAILOVERS rounds" >&2
 for round in $(seq 1 "$FAILOVERS"); do
   "$TOLLGATE" cluster status --json --node "127.0.0.1:$BASE_PORT" > "$OUT_DIR/topology-$round.json"
   victim=$(python3 - "$OUT_DIR/topology-$round.json" <<'PY'
@@ -151,7 +202,7 @@ PY
   survivor=$(( victim % 3 + 1 ))
   for n in 1 2 3; do
     if (( n != victim )); then
-      DURATION=$((WARMUP + 8)) open_load "failover-$round-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" "f$round$n" &
+      DURATION=$((WARMUP + 8)) open_load "failover-$round-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" &
     fi
   done
   sleep "$((WARMUP + 2))"
@@ -165,67 +216,115 @@ PY
 done
 "$ROOT/cluster/local.sh" down > /dev/null
 
-python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" <<'PY'
-import json, os, sys
-out, connections, pipeline, duration, rate, failovers = sys.argv[1:7]
+python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" "$ACTORS" <<'PY'
+import json, os, re, sys
+out, connections, pipeline, duration, rate, failovers, actors = sys.argv[1:8]
+duration = float(duration)
+def path(name): return os.path.join(out, name)
 def read(name):
-    with open(os.path.join(out, name + ".json")) as f:
+    with open(path(name + ".json")) as f:
         return json.load(f)
-def cluster(prefix):
-    runs = [read(f"{prefix}-node{n}") for n in (1, 2, 3)]
-    total = sum(r["throughput_per_sec"] for r in runs)
-    p50 = [r["latency_us"]["p50"] for r in runs]
-    p99 = [r["latency_us"]["p99"] for r in runs]
-    errors = sum(r["errors"] for r in runs)
-    return total, p50, p99, errors
-print(f"Closed loop, {connections} connections x pipeline {pipeline}, {duration} s measured, "
-      "every hit admitted (and so replicated). Cluster: one generator per node, "
-      "a third of the connections each; latency columns give the range over the three nodes.")
-print()
-def cpu_us_per_hit(name, throughput):
+def runs(name):
+    nodes = int(open(path(name + ".nodes")).read())
+    return [read(name)] if name == "single" else [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
+def cpu(name):
+    user, system = map(float, open(path(name + ".cpu")).read().split())
+    return user, system
+def syscalls(name):
     try:
-        seconds = float(open(os.path.join(out, name + ".cpu")).read())
-    except (OSError, ValueError):
-        return "-"
-    return f"{seconds * 1e6 / max(throughput * float(duration), 1):.1f}"
-print("| setup | throughput (hits/s) | p50 (us) | p99 (us) | errors | server CPU per hit (us) |")
-print("|---|---:|---:|---:|---:|---:|")
-single = read("single")
-lat = single["latency_us"]
-print(f"| one node | {single['throughput_per_sec']:.0f} | {lat['p50']:.0f} | {lat['p99']:.0f} | {single['errors']} | {cpu_us_per_hit('single', single['throughput_per_sec'])} |")
-closed = {}
-for mode in ("strict", "fast"):
-    total, p50, p99, errors = cluster(mode)
-    closed[mode] = total
-    print(f"| three nodes, {mode} | {total:.0f} | {min(p50):.0f}-{max(p50):.0f} | {min(p99):.0f}-{max(p99):.0f} | {errors} | {cpu_us_per_hit(mode, total)} |")
+        for line in open(path(name + ".perf")):
+            m = re.match(r"\s*([\d,]+)\s+raw_syscalls", line)
+            if m:
+                return int(m.group(1).replace(",", ""))
+    except OSError:
+        pass
+    return None
+def stats_delta(name):
+    try:
+        before = {n["id"]: n.get("stats") or {} for n in json.load(open(path(name + ".stats-before")))["nodes"]}
+        after = {n["id"]: n.get("stats") or {} for n in json.load(open(path(name + ".stats-after")))["nodes"]}
+    except (OSError, ValueError, KeyError):
+        return None
+    keys = set().union(*[set(s) for s in after.values()]) if after else set()
+    return {k: sum(after[i].get(k, 0) - before.get(i, {}).get(k, 0) for i in after) for k in keys}
+
+rows = {}
+for name, label in [("single", "one node"), ("strict", "three nodes, strict"), ("fast", "three nodes, fast"),
+                    ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict")]:
+    r = runs(name)
+    throughput = sum(x["throughput_per_sec"] for x in r)
+    hits = throughput * duration
+    user, system = cpu(name)
+    calls = syscalls(name)
+    rows[name] = dict(label=label, throughput=throughput,
+                      p50=[x["latency_us"]["p50"] for x in r], p99=[x["latency_us"]["p99"] for x in r],
+                      errors=sum(x["errors"] for x in r),
+                      cpu=(user + system) * 1e6 / max(hits, 1), user=user * 1e6 / max(hits, 1),
+                      system=system * 1e6 / max(hits, 1),
+                      syscalls=None if calls is None else calls / max(hits, 1), stats=stats_delta(name))
+single = rows["single"]
+print(f"Closed loop, {connections} connections x pipeline {pipeline}, {duration:g} s measured, {actors} actors, "
+      "every hit admitted (and so replicated). Clusters: one generator per node, a share of the connections each; "
+      "latency columns give the range over the nodes.")
 print()
-print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), "
-      f"{connections} connections, {duration} s measured.")
+print("| setup | hits/s | p50 (us) | p99 (us) | errors | server CPU per hit (us) | user / system | syscalls per hit | CPU per hit / one node's |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for name, row in rows.items():
+    calls = "-" if row["syscalls"] is None else f"{row['syscalls']:.2f}"
+    print(f"| {row['label']} | {row['throughput']:.0f} | {min(row['p50']):.0f}-{max(row['p50']):.0f} | "
+          f"{min(row['p99']):.0f}-{max(row['p99']):.0f} | {row['errors']} | {row['cpu']:.2f} | "
+          f"{row['user']:.2f} / {row['system']:.2f} | {calls} | {row['cpu'] / single['cpu']:.2f}x |")
 print()
-print("| setup | throughput (hits/s) | p50 (us) | p99 (us) | errors |")
+print("Data path during the measured window (all nodes together):")
+print()
+print("| setup | rounds/s | states per round | states per shard section | hits per forwarded batch | frames per write | writes per hit |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+for name in ("strict", "fast", "aware", "five"):
+    s = rows[name]["stats"]
+    if not s:
+        continue
+    ratio = lambda a, b: f"{s.get(a, 0) / s[b]:.1f}" if s.get(b) else "-"
+    hits = rows[name]["throughput"] * duration
+    print(f"| {rows[name]['label']} | {s.get('rounds', 0) / duration:.0f} | {ratio('states_replicated', 'rounds')} | "
+          f"{ratio('states_replicated', 'round_sections')} | {ratio('forwarded_ops', 'forward_batches')} | "
+          f"{ratio('frames_written', 'writes')} | {s.get('writes', 0) / max(hits, 1):.3f} |")
+print()
+idle = float(open(path("idle.percent")).read())
+print(f"Idle three-node cluster: {idle:.1f}% of one core (all three processes).")
+print()
+print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {connections} connections.")
+print()
+print("| setup | hits/s | p50 (us) | p99 (us) | errors |")
 print("|---|---:|---:|---:|---:|")
-single_open = read("open-single")
-lat = single_open["latency_us"]
-print(f"| one node | {single_open['throughput_per_sec']:.0f} | {lat['p50']:.0f} | {lat['p99']:.0f} | {single_open['errors']} |")
-open_p99 = {}
-for mode in ("strict", "fast"):
-    total, p50, p99, errors = cluster(f"open-{mode}")
-    open_p99[mode] = max(p99)
-    print(f"| three nodes, {mode} | {total:.0f} | {min(p50):.0f}-{max(p50):.0f} | {min(p99):.0f}-{max(p99):.0f} | {errors} |")
+open_single = read("open-single")
+print(f"| one node | {open_single['throughput_per_sec']:.0f} | {open_single['latency_us']['p50']:.0f} | "
+      f"{open_single['latency_us']['p99']:.0f} | {open_single['errors']} |")
+open_strict = [read(f"open-strict-node{n}") for n in (1, 2, 3)]
+strict_p99 = max(x["latency_us"]["p99"] for x in open_strict)
+print(f"| three nodes, strict | {sum(x['throughput_per_sec'] for x in open_strict):.0f} | "
+      f"{min(x['latency_us']['p50'] for x in open_strict):.0f}-{max(x['latency_us']['p50'] for x in open_strict):.0f} | "
+      f"{min(x['latency_us']['p99'] for x in open_strict):.0f}-{strict_p99:.0f} | {sum(x['errors'] for x in open_strict)} |")
 failover_ms = []
 for r in range(1, int(failovers) + 1):
-    text = open(os.path.join(out, f"failover-{r}.txt")).read()
-    for word in text.split():
+    for word in open(path(f"failover-{r}.txt")).read().split():
         if word.startswith("failover_ms="):
             failover_ms.append(float(word.split("=")[1]))
 print()
 print("| measure | figure | target |")
 print("|---|---:|---|")
-print(f"| fast-mode p99 ÷ one node's p99, open loop, same rate | {open_p99['fast'] / max(lat['p99'], 1):.2f}x | <= 1.5x |")
-print(f"| strict-mode p99 at a third of its maximum | {open_p99['strict'] / 1000:.2f} ms | <= 2 ms |")
-print(f"| strict-mode throughput ÷ one node's, closed loop | {100 * closed['strict'] / single['throughput_per_sec']:.0f}% | >= 40% |")
+ratio = lambda name: rows[name]["cpu"] / single["cpu"]
+print(f"| strict: CPU per hit / one node's | {ratio('strict'):.2f}x | <= 3x |")
+print(f"| fast: CPU per hit / one node's | {ratio('fast'):.2f}x | <= 2x |")
+print(f"| fast, leader-aware: CPU per hit / one node's | {ratio('aware'):.2f}x | <= 1.6x |")
+print(f"| strict throughput / one node's | {100 * rows['strict']['throughput'] / single['throughput']:.0f}% | >= 25% |")
+s = rows["strict"]["stats"] or {}
+if s.get("rounds"):
+    print(f"| strict: hits per replication round, at maximum load | {s['states_replicated'] / s['rounds']:.0f} | >= 50 |")
+print(f"| idle three-node cluster | {idle:.1f}% of a core | <= 3% |")
+print(f"| five nodes strict: CPU per hit / three nodes' | {rows['five']['cpu'] / rows['strict']['cpu']:.2f}x | <= 1.15x |")
+print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms | <= 2 ms |")
 if failover_ms:
     ms = sorted(failover_ms)
-    print(f"| failover under load (SIGKILL to every shard serving), {len(ms)} rounds | {ms[0]:.0f} / {ms[len(ms)//2]:.0f} / {ms[-1]:.0f} ms (min / median / max) | <= 2 s |")
+    print(f"| failover under load, {len(ms)} rounds (min / median / max) | {ms[0]:.0f} / {ms[len(ms)//2]:.0f} / {ms[-1]:.0f} ms | <= 2 s |")
 PY
 echo "results in $OUT_DIR" >&2

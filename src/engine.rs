@@ -6,7 +6,7 @@
 use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
-use crate::protocol::{encode_err, encode_ok, parse_line, ErrorCode, Pairs, Verb};
+use crate::protocol::{encode_err, encode_ok, parse_line_into, ErrorCode, Pairs, Verb};
 use crate::rules::{CurrentRules, MatchPolicy, Quota, RuleSet};
 use crate::store::{
     Backend, BackendError, BatchDecided, CounterOp, Decided, Decisions, OpBatch, SlotAnswers,
@@ -15,8 +15,9 @@ use arc_swap::ArcSwap;
 use futures_util::future::BoxFuture;
 use smallvec::SmallVec;
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What a hit gets when its counter cannot be decided (backend down, live-key
 /// cap reached).
@@ -131,6 +132,35 @@ pub struct Arrival {
     pub now_ms: u64,
 }
 
+/// Synchronous decisions of one batch that share a clock read for
+/// `divvy_hit_duration_seconds`.
+const DECISIONS_PER_DURATION_READ: u32 = 16;
+
+thread_local! {
+    /// The batch this thread last timed (its arrival), the instant its
+    /// decisions are counted at, and how many used that instant.
+    static BATCH_TIMING: Cell<Option<(Instant, Instant, u32)>> = const { Cell::new(None) };
+}
+
+/// Time from receipt to decision of a request decided while its batch
+/// executes, at one clock read per [`DECISIONS_PER_DURATION_READ`] decisions
+/// instead of one each: a decision is counted at the last read taken for its
+/// batch, and a read is taken for the first decision of a batch and then
+/// every few decisions. A duration is short by at most the time those few
+/// decisions took (microseconds; the histogram's buckets are milliseconds).
+fn synchronous_elapsed(received: Instant) -> Duration {
+    BATCH_TIMING.with(|cell| {
+        let (decided_at, uses) = match cell.get() {
+            Some((batch, at, uses)) if batch == received && uses < DECISIONS_PER_DURATION_READ => {
+                (at, uses + 1)
+            }
+            _ => (Instant::now(), 1),
+        };
+        cell.set(Some((received, decided_at, uses)));
+        decided_at.saturating_duration_since(received)
+    })
+}
+
 /// One evaluated rule of a request: its position and, for limited quotas, the
 /// index of its counter op (otherwise its fixed decision).
 #[derive(Clone, Copy)]
@@ -228,11 +258,13 @@ impl Engine {
         &self.clock
     }
 
-    /// Reads the clocks for a batch of lines that just arrived.
+    /// Reads the clock for a batch of lines that just arrived: one read
+    /// gives both the instant and the limiter's wall time.
     pub fn arrival(&self) -> Arrival {
+        let received = Instant::now();
         Arrival {
-            received: Instant::now(),
-            now_ms: self.clock.now_ms(),
+            received,
+            now_ms: self.clock.now_ms_at(received),
         }
     }
 
@@ -268,12 +300,17 @@ impl Engine {
         arrival: Arrival,
         batch: Option<&mut EngineBatch>,
     ) -> Outcome {
-        let text = match std::str::from_utf8(line) {
-            Ok(text) => Cow::Borrowed(text),
-            Err(_) => String::from_utf8_lossy(line),
+        let text = if line.is_ascii() {
+            // SAFETY: ASCII is valid UTF-8 (and the check is cheaper than
+            // full validation, for the lines almost every client sends).
+            Cow::Borrowed(unsafe { std::str::from_utf8_unchecked(line) })
+        } else {
+            String::from_utf8_lossy(line)
         };
-        let command = match parse_line(&text) {
-            Ok(command) => command,
+        // Parsed in place: the pairs are not moved around after parsing.
+        let mut pairs = Pairs::default();
+        let verb = match parse_line_into(&text, &mut pairs) {
+            Ok(verb) => verb,
             Err(error) => {
                 let code = match error {
                     crate::protocol::ParseError::UnknownCommand(_) => ErrorCode::UnknownCommand,
@@ -286,17 +323,17 @@ impl Engine {
                 });
             }
         };
-        match command.verb {
+        match verb {
             Verb::Hit | Verb::Peek => {
-                let peek = command.verb == Verb::Peek;
+                let peek = verb == Verb::Peek;
                 match batch {
-                    Some(batch) => self.hit_in_batch(&command.pairs, peek, arrival, batch),
-                    None => self.hit(&command.pairs, peek, arrival),
+                    Some(batch) => self.hit_in_batch(&pairs, peek, arrival, batch),
+                    None => self.hit(&pairs, peek, arrival),
                 }
             }
             verb => {
                 for extension in &self.extensions {
-                    if let Some(outcome) = extension.execute(verb, &command.pairs, arrival.now_ms) {
+                    if let Some(outcome) = extension.execute(verb, &pairs, arrival.now_ms) {
                         return outcome;
                     }
                 }
@@ -323,7 +360,8 @@ impl Engine {
     ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
         let mut ops: SmallVec<[CounterOp<'a>; 2]> = SmallVec::new();
         let mut plan = Plan::new();
-        for rule in loaded.set.evaluate(pairs) {
+        let mut evaluated = loaded.set.evaluate(pairs);
+        while let Some(rule) = evaluated.next() {
             let step = match rule.quota {
                 Quota::AlwaysDeny => Step::Fixed(rule.position, Decision::ALWAYS_DENY),
                 Quota::AlwaysAllow { credit_limit } => {
@@ -336,7 +374,7 @@ impl Engine {
                     Some(quota) => {
                         ops.push(CounterOp {
                             rule,
-                            actor: rule.actor(pairs),
+                            actor: evaluated.actor(rule),
                             quota,
                             peek,
                         });
@@ -355,20 +393,21 @@ impl Engine {
         let loaded = self.rules.load();
         let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
         if ops.is_empty() {
-            return Outcome::Now(self.finish(&loaded, &plan, Decisions::new(), peek, arrival));
+            let decisions = Decisions::new();
+            return Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival, true));
         }
         let decided = self.backend.decide(&ops, arrival.now_ms);
         drop(ops);
         match decided {
             Decided::Ready(decisions) => {
-                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival))
+                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival, true))
             }
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = arc_swap::Guard::into_inner(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, decisions, peek, arrival)
+                    engine.finish(&loaded, &plan, decisions, peek, arrival, false)
                 }))
             }
         }
@@ -384,11 +423,12 @@ impl Engine {
         let loaded = &*batch.rules;
         let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
         if ops.is_empty() {
-            return Outcome::Now(self.finish(loaded, &plan, Decisions::new(), peek, arrival));
+            let decisions = Decisions::new();
+            return Outcome::Now(self.finish(loaded, &plan, decisions, peek, arrival, true));
         }
         match batch.ops.decide(&ops, arrival.now_ms) {
             BatchDecided::Ready(decisions) => {
-                Outcome::Now(self.finish(loaded, &plan, decisions, peek, arrival))
+                Outcome::Now(self.finish(loaded, &plan, decisions, peek, arrival, true))
             }
             BatchDecided::Slots { first } => Outcome::Deferred(DeferredHit {
                 plan,
@@ -416,11 +456,12 @@ impl Engine {
             Some(slots) => slots.iter().cloned().collect(),
             None => return Reply::error("backend returned too few decisions"),
         };
-        self.finish(loaded, &hit.plan, decisions, hit.peek, hit.arrival)
+        self.finish(loaded, &hit.plan, decisions, hit.peek, hit.arrival, false)
     }
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts
-    /// metrics once per evaluated rule.
+    /// metrics once per evaluated rule. `synchronous`: decided while its
+    /// batch executes (see [`synchronous_elapsed`]).
     fn finish(
         &self,
         loaded: &LoadedRules,
@@ -428,6 +469,7 @@ impl Engine {
         decisions: Decisions,
         peek: bool,
         arrival: Arrival,
+        synchronous: bool,
     ) -> Reply {
         let mut last: Option<Result<Decision, &BackendError>> = None;
         // A cluster shard that cannot decide is a backend failure, counted
@@ -469,7 +511,11 @@ impl Engine {
         match last {
             Some(Ok(decision)) => {
                 if !peek {
-                    self.metrics.hit_duration(arrival.received.elapsed());
+                    self.metrics.hit_duration(if synchronous {
+                        synchronous_elapsed(arrival.received)
+                    } else {
+                        arrival.received.elapsed()
+                    });
                 }
                 Reply::Decision(decision)
             }

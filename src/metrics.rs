@@ -74,6 +74,16 @@ pub const ERROR_CODES: [ErrorCode; 2] = [ErrorCode::UnknownCommand, ErrorCode::U
 /// Upper bounds of divvy's `divvy_hit_duration_seconds` buckets, in seconds.
 pub const HIT_DURATION_BUCKETS_SECONDS: [f64; 6] = [0.001, 0.002, 0.005, 0.01, 0.1, 0.5];
 
+/// The same bounds in nanoseconds (integers: no float work per HIT).
+const HIT_DURATION_BUCKETS_NS: [u64; 6] = [
+    1_000_000,
+    2_000_000,
+    5_000_000,
+    10_000_000,
+    100_000_000,
+    500_000_000,
+];
+
 /// Why statsd lines were dropped instead of sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatsdDrop {
@@ -237,14 +247,13 @@ impl Metrics {
     }
 
     pub fn hit_duration(&self, elapsed: Duration) {
-        let seconds = elapsed.as_secs_f64();
-        let bucket = HIT_DURATION_BUCKETS_SECONDS
+        let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        let bucket = HIT_DURATION_BUCKETS_NS
             .iter()
-            .position(|&bound| seconds <= bound)
-            .unwrap_or(HIT_DURATION_BUCKETS_SECONDS.len());
+            .position(|&bound| nanos <= bound)
+            .unwrap_or(HIT_DURATION_BUCKETS_NS.len());
         self.hit_duration_buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.hit_duration_sum_ns
-            .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+        self.hit_duration_sum_ns.fetch_add(nanos, Ordering::Relaxed);
         if let Some(timings) = self.hit_timings.get() {
             timings.push(u32::try_from(elapsed.as_micros()).unwrap_or(u32::MAX));
         }
@@ -335,6 +344,21 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn duration_buckets_in_nanoseconds_are_the_seconds_buckets() {
+        for (seconds, nanos) in HIT_DURATION_BUCKETS_SECONDS
+            .iter()
+            .zip(HIT_DURATION_BUCKETS_NS)
+        {
+            assert_eq!((seconds * 1e9).round() as u64, nanos);
+        }
+        let metrics = Metrics::new();
+        metrics.hit_duration(Duration::from_millis(1));
+        metrics.hit_duration(Duration::from_nanos(1_000_001));
+        metrics.hit_duration(Duration::from_secs(1));
+        assert_eq!(metrics.hit_durations().0, [1, 1, 0, 0, 0, 0, 1]);
+    }
 
     #[test]
     fn timings_are_bounded_and_every_drop_is_counted() {

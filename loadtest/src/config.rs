@@ -123,6 +123,21 @@ pub struct Args {
     #[arg(long, default_value = "127.0.0.1:8321")]
     pub target: String,
 
+    /// Cluster only (divvy protocol): ask `--target` for the topology and
+    /// send each actor's hits straight to the node leading its counter's
+    /// shard, as `tollgate::cluster::ClusterClient` does, instead of to
+    /// `--target` (which then forwards). Connections are spread over the
+    /// leaders in proportion to their actors; each connection draws only
+    /// actors its node leads (uniformly). Needs the cluster's rules
+    /// (`--rules`).
+    #[arg(long)]
+    pub leader_aware: bool,
+
+    /// With `--leader-aware`: the rule file the cluster serves (default: the
+    /// embedded example rules, as `tollgate serve` without a file).
+    #[arg(long, value_name = "FILE")]
+    pub rules: Option<std::path::PathBuf>,
+
     /// Wire protocol to speak.
     #[arg(long, value_enum, default_value_t = Protocol::Divvy)]
     pub protocol: Protocol,
@@ -281,6 +296,14 @@ impl Args {
         }
         if self.pipeline == 0 || self.pipeline > PIPELINE_MAX {
             bail!("--pipeline must be in 1..={PIPELINE_MAX}");
+        }
+        if self.leader_aware
+            && (self.protocol != Protocol::Divvy || self.distribution != Distribution::Uniform)
+        {
+            bail!("--leader-aware needs --protocol divvy and --distribution uniform");
+        }
+        if self.rules.is_some() && !self.leader_aware {
+            bail!("--rules is only used with --leader-aware");
         }
         if let Some(rate) = self.rate {
             if !(rate.is_finite() && rate > 0.0) {

@@ -23,6 +23,7 @@ use hdrhistogram::Histogram;
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Registry, Token};
 use rand::rngs::SmallRng;
+use rand::Rng;
 
 use crate::check::AllowedHit;
 use crate::config::Protocol;
@@ -72,6 +73,8 @@ pub struct RunShared {
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub addr: SocketAddr,
+    /// `--leader-aware`: each connection's own target and actors.
+    pub routes: Option<crate::routes::LeaderRoutes>,
     /// The target as given (the `Host` of the WebSocket upgrade).
     pub host: String,
     pub protocol: Protocol,
@@ -95,6 +98,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Where global connection `c` connects.
+    fn addr_of(&self, c: usize) -> SocketAddr {
+        match &self.routes {
+            Some(routes) => routes.addrs[routes.conn_route[c]],
+            None => self.addr,
+        }
+    }
+
     /// Request budget of global connection `c`.
     fn budget(&self, c: usize) -> u64 {
         if self.requests == 0 {
@@ -258,7 +269,7 @@ impl Conn {
     /// Start a non-blocking connect; completion is reported as a writable event.
     fn connect(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) {
         debug_assert!(self.sock.is_none());
-        match TcpStream::connect(ctx.shared.plan.addr) {
+        match TcpStream::connect(ctx.shared.plan.addr_of(self.id)) {
             Ok(mut s) => {
                 match registry.register(&mut s, self.token, Interest::READABLE | Interest::WRITABLE)
                 {
@@ -449,7 +460,13 @@ impl Conn {
             } else {
                 now
             };
-            let actor = shared.picker.pick(&mut self.rng);
+            let actor = match &shared.plan.routes {
+                Some(routes) => {
+                    let own = &routes.actors[routes.conn_route[self.id]];
+                    own[self.rng.gen_range(0..own.len())]
+                }
+                None => shared.picker.pick(&mut self.rng),
+            };
             self.wbuf.extend_from_slice(shared.table.get(actor));
             self.inflight.push_back(Pending {
                 due_ns,

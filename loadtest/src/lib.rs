@@ -14,6 +14,7 @@ pub mod failover;
 pub mod fd_limit;
 pub mod plot;
 pub mod report;
+pub mod routes;
 pub mod timer;
 pub mod websocket;
 pub mod wire;
@@ -59,8 +60,14 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     };
     let table = RequestTable::build(args, script_sha.as_deref())?;
     let picker = Picker::new(args)?;
+    let routes = if args.leader_aware {
+        Some(routes::LeaderRoutes::build(args)?)
+    } else {
+        None
+    };
     let plan = Plan {
         addr,
+        routes,
         host: args.target.clone(),
         protocol: args.protocol,
         resp_mode: match args.protocol {

@@ -329,7 +329,7 @@ impl App {
         };
         let mut readiness = Readiness::new(Arc::clone(&engine.metrics));
         if let Some(cluster) = &cluster {
-            readiness = readiness.with_backend_check(cluster.readiness_check());
+            readiness = readiness.with_backend_check(Arc::new(cluster.readiness_check()));
         }
         let observability = Observability::start(
             &config.observability,
@@ -338,6 +338,11 @@ impl App {
                 store: Some(Arc::clone(&store)),
                 buckets: Some(Arc::clone(&buckets)),
                 readiness: Arc::new(readiness),
+                cluster: cluster.as_ref().map(|c| {
+                    let source: crate::observability::exposition::ClusterSource =
+                        Arc::new(c.stats_source());
+                    source
+                }),
             },
         )?;
         let endpoints = Endpoints {

@@ -49,7 +49,9 @@ impl ClusterClient {
         Ok(Self::with_topology(rules, topology))
     }
 
-    fn with_topology(rules: RuleSet, topology: Topology) -> ClusterClient {
+    /// A client for a topology fetched some other way (no connection made
+    /// until a request is sent).
+    pub fn with_topology(rules: RuleSet, topology: Topology) -> ClusterClient {
         let placement = Placement::new(
             topology.shards,
             topology.replicas,

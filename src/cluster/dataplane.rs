@@ -81,6 +81,9 @@ impl DataStats {
     }
 }
 
+/// Answers for slots of one read batch's board.
+type BoardAnswers = (Arc<SlotBoard>, Vec<(u32, WireDecision)>);
+
 /// A state decided by a leader, waiting to enter the open round.
 pub struct DecidedState {
     pub shard: u32,
@@ -155,6 +158,12 @@ impl DataPlane {
 
     pub fn replica(&self, shard: u32) -> Option<Arc<Replica>> {
         self.replicas.get(shard as usize)?.load_full()
+    }
+
+    /// The replica of `shard`, borrowed for a moment (no reference count
+    /// touched: the hot path's lookup).
+    pub fn replica_ref(&self, shard: u32) -> Option<arc_swap::Guard<Option<Arc<Replica>>>> {
+        Some(self.replicas.get(shard as usize)?.load())
     }
 
     pub fn install_replica(&self, replica: Arc<Replica>) {
@@ -271,14 +280,18 @@ impl DataPlane {
     }
 
     /// Queues decided states for the next round and wakes the replicator.
+    /// The replicator is woken only by the first states of a round (it
+    /// takes everything queued when it runs) or, in fast mode, by a round
+    /// that is full: waking a parked thread costs a system call.
     pub fn push_states<'a>(&self, states: impl IntoIterator<Item = (&'a [u8], DecidedState)>) {
         let now = Instant::now();
         let wake = {
             let mut round = self.round.lock();
+            let was_empty = round.is_empty();
             for (key, s) in states {
                 round.push(s.shard, s.term, key, &s.state, s.waiter, now);
             }
-            !round.is_empty()
+            !round.is_empty() && (was_empty || round.states() >= self.settings.batch_ops_max)
         };
         if wake {
             self.replicate.notify_one();
@@ -393,7 +406,21 @@ impl DataPlane {
                         // read past, never taken.
                         let mine = reader.varint()? == self.boot;
                         let count = reader.count(3)?;
+                        // Consecutive answers of one batch fill its board
+                        // under one lock.
+                        let mut run: (u64, Vec<(u32, WireDecision)>) = (0, Vec::new());
                         let mut forwards = self.forwards.lock();
+                        let mut flush = |run: &mut (u64, Vec<(u32, WireDecision)>)| {
+                            if run.1.is_empty() {
+                                return;
+                            }
+                            if let Some(wait) = forwards.get_mut(&run.0) {
+                                if wait.answer_many(&mut run.1) {
+                                    forwards.remove(&run.0);
+                                }
+                            }
+                            run.1.clear();
+                        };
                         for _ in 0..count {
                             let batch = reader.varint()?;
                             let index = reader.u32()?;
@@ -401,12 +428,13 @@ impl DataPlane {
                             if !mine {
                                 continue;
                             }
-                            if let Some(wait) = forwards.get_mut(&batch) {
-                                if wait.answer(index, decision) {
-                                    forwards.remove(&batch);
-                                }
+                            if batch != run.0 {
+                                flush(&mut run);
+                                run.0 = batch;
                             }
+                            run.1.push((index, decision));
                         }
+                        flush(&mut run);
                     }
                     tag::ROUND => self.apply_round(from, from_boot, &mut reader)?,
                     tag::ACK => {
@@ -458,7 +486,8 @@ impl DataPlane {
         decided: &mut Vec<(usize, usize, DecidedState)>,
     ) -> Option<WireDecision> {
         let shard = self.placement.shard_of(op.key);
-        let Some(replica) = self.replica(shard) else {
+        let guard = self.replica_ref(shard);
+        let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
             return Some(WireDecision::Retry {
                 shard,
                 why: ShardRefusal::NotReplicated(self.me),
@@ -516,7 +545,8 @@ impl DataPlane {
             let key = reader.bytes()?;
             states.push((key, reader.state()?));
         }
-        let refused = match self.replica(header.shard) {
+        let guard = self.replica_ref(header.shard);
+        let refused = match guard.as_deref().and_then(Option::as_ref) {
             None => Some(ApplyRefusal::NotReplica),
             Some(replica) => {
                 match replica.apply(
@@ -566,6 +596,7 @@ impl DataPlane {
             return;
         }
         let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
+        let mut local: Vec<BoardAnswers> = Vec::new();
         for section in ended {
             match &section.end {
                 SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
@@ -595,7 +626,16 @@ impl DataPlane {
                         board,
                         slot,
                         decision,
-                    } => board.fill(slot, section.end.answer(section.shard, decision)),
+                    } => {
+                        // Waiters of one read batch come together: one lock.
+                        let answer = (slot, section.end.answer(section.shard, decision));
+                        match local.last_mut() {
+                            Some((last, answers)) if Arc::ptr_eq(last, &board) => {
+                                answers.push(answer)
+                            }
+                            _ => local.push((board, vec![answer])),
+                        }
+                    }
                     Waiter::Remote {
                         peer,
                         boot,
@@ -616,6 +656,9 @@ impl DataPlane {
                     }
                 }
             }
+        }
+        for (board, answers) in local {
+            board.fill_many(answers);
         }
         for ((peer, boot), (mut bytes, at, count)) in remote {
             end_counted(&mut bytes, at, count);
@@ -733,6 +776,10 @@ impl DataPlane {
                 }
             };
             if ready {
+                // Let the tasks woken with this one (frame readers deciding
+                // forwarded hits) add their states first: one round, one
+                // frame per peer, carries them all.
+                tokio::task::yield_now().await;
                 self.send_round();
             }
             let mut ended = Vec::new();
@@ -751,9 +798,7 @@ impl DataPlane {
                 last_forward_sweep = now;
             }
             if ready {
-                // More may have arrived while sending: look again first.
-                tokio::task::yield_now().await;
-                continue;
+                continue; // More may have arrived while sending: look again.
             }
             match wake_at {
                 Some(at) => {

@@ -106,16 +106,26 @@ impl SlotBoard {
 
     /// Answers a pending slot (later answers for it are ignored).
     pub fn fill(&self, slot: u32, decision: WireDecision) {
+        self.fill_many(std::iter::once((slot, decision)));
+    }
+
+    /// Answers pending slots, under one lock; wakes the connection when
+    /// the last one is in.
+    pub fn fill_many(&self, answers: impl IntoIterator<Item = (u32, WireDecision)>) {
         let mut inner = self.inner.lock();
-        let Some(entry) = inner.slots.get_mut(slot as usize) else {
-            return;
-        };
-        if !matches!(entry.answer, SlotAnswer::Pending) {
-            return;
+        let mut filled = 0;
+        for (slot, decision) in answers {
+            let Some(entry) = inner.slots.get_mut(slot as usize) else {
+                continue;
+            };
+            if !matches!(entry.answer, SlotAnswer::Pending) {
+                continue;
+            }
+            entry.answer = result_of(entry.shard, decision);
+            filled += 1;
         }
-        entry.answer = result_of(entry.shard, decision);
         drop(inner);
-        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if filled > 0 && self.pending.fetch_sub(filled, Ordering::AcqRel) == filled {
             self.waker.wake();
         }
     }
@@ -203,11 +213,18 @@ pub struct ForwardWait {
 
 impl ForwardWait {
     /// Answers op `index`; says whether every op is answered now.
-    pub fn answer(&mut self, index: u32, decision: WireDecision) -> bool {
-        if let Some(&slot) = self.slots.get(index as usize) {
-            self.board.fill(slot, decision);
-            self.answered += 1;
-        }
+    /// Answers ops of the batch (by index); says whether every op is
+    /// answered now.
+    pub fn answer_many(&mut self, answers: &mut Vec<(u32, WireDecision)>) -> bool {
+        let slots = &self.slots;
+        let mut answered = 0;
+        self.board
+            .fill_many(answers.drain(..).filter_map(|(index, decision)| {
+                let slot = *slots.get(index as usize)?;
+                answered += 1;
+                Some((slot, decision))
+            }));
+        self.answered += answered;
         self.answered as usize >= self.slots.len()
     }
 
@@ -264,11 +281,12 @@ impl ClusterBatch {
 
     /// Routes one op (see the module doc); returns its slot's answer.
     fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> SlotAnswer {
-        let dp = Arc::clone(&self.dp);
+        let dp: &DataPlane = &self.dp;
         match dp.leaders.leader(shard) {
             None => SlotAnswer::Retry(ShardRefusal::NoLeader),
             Some(leader) if leader == dp.me => {
-                let Some(replica) = dp.replica(shard) else {
+                let guard = dp.replica_ref(shard);
+                let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
                     return SlotAnswer::Retry(ShardRefusal::NotReplicated(dp.me));
                 };
                 match replica.decide(&dp.store, op, now_ms) {

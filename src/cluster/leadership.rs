@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 /// Pause before a leader that failed to prepare tries again.
 const PREPARE_RETRY_MS: u64 = 50;
 /// How often voters look for shards whose leader is gone.
-const ELECTION_CHECK_MS: u64 = 50;
+const ELECTION_CHECK_MS: u64 = 100;
 /// How long a successor may take to lead after a handover request.
 const HANDOVER_TAKEOVER_MS: u64 = 1_000;
 /// Counters per message when syncing a replica.
@@ -348,6 +348,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
             continue;
         }
         let now = Instant::now();
+        let claims = super::node::claimed_leads(&node.last_reports.lock());
         for replica in node.replicas() {
             let shard = replica.shard;
             if replica.recovering() || replica.handing_over.load(Ordering::Acquire) {
@@ -357,7 +358,12 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
             let (state, leader, term, voters) = {
                 let m = replica.raft.server_metrics();
                 let m = m.borrow();
-                let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+                if m.state == ServerState::Leader {
+                    suspected.remove(&shard);
+                    continue;
+                }
+                let membership = m.membership_config.membership();
+                let voters: SmallVec<[NodeId; 8]> = membership.voter_ids().collect();
                 (m.state, m.current_leader, m.vote.leader_id.term, voters)
             };
             if state == ServerState::Leader || !voters.contains(&node.id) {
@@ -376,7 +382,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
                 (None, _) => now,
             };
             let (dead, delay_rounds) = match leader {
-                Some(l) if node.dp.alive(l) && !node.disowned(l, shard, since) => {
+                Some(l) if node.dp.alive(l) && !node.disowned(&claims, l, shard, since) => {
                     suspected.remove(&shard);
                     continue;
                 }

@@ -368,24 +368,36 @@ async fn serve_connection(
                 Err(_) => break,
             }
         }
-        if let Some(frame) = out.take_frame() {
-            buf.extend_from_slice(&frame);
-            out.give_back(frame);
-            frames += 1;
-        } else if beat_due && buf.is_empty() {
+        let data = out.take_frame();
+        if data.is_none() && beat_due && buf.is_empty() {
             buf.extend_from_slice(&PeerOut::beat_frame());
             frames += 1;
         }
-        if buf.is_empty() {
-            continue;
-        }
-        if let Err(error) = write_half.write_all(&buf).await {
-            break error.to_string();
-        }
+        let written = match data {
+            // Nothing else to say: the outbox's frame goes out as it is.
+            Some(frame) if buf.is_empty() => {
+                let bytes = frame.len();
+                let result = write_half.write_all(&frame).await;
+                out.give_back(frame);
+                result.map(|()| bytes)
+            }
+            Some(frame) => {
+                buf.extend_from_slice(&frame);
+                out.give_back(frame);
+                frames += 1;
+                write_half.write_all(&buf).await.map(|()| buf.len())
+            }
+            None if buf.is_empty() => continue,
+            None => write_half.write_all(&buf).await.map(|()| buf.len()),
+        };
+        let bytes = match written {
+            Ok(bytes) => bytes,
+            Err(error) => break error.to_string(),
+        };
         wrote_since_beat = true;
         DataStats::add(&stats.writes, 1);
-        DataStats::add(&stats.frames_written, frames);
-        DataStats::add(&stats.bytes_written, buf.len() as u64);
+        DataStats::add(&stats.frames_written, frames.max(1));
+        DataStats::add(&stats.bytes_written, bytes as u64);
     };
     reader.abort();
     fail_pending(&pending, &LinkError::Lost(peer, lost.clone()));

@@ -242,6 +242,17 @@ impl LeaderTable {
     }
 }
 
+/// A cluster node's data-path counters and shard counts, as `/metrics`
+/// shows them.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterSnapshot {
+    pub stats: wire::NodeStats,
+    /// Shards this node leads and decides.
+    pub shards_led: u64,
+    /// Shards no hit could be decided for from this node now.
+    pub shards_unservable: u64,
+}
+
 /// A running cluster member: its runtime and node.
 pub struct Cluster {
     node: Arc<node::ClusterNode>,
@@ -266,9 +277,9 @@ impl Cluster {
 
     /// `/readyz`'s cluster condition: every shard can be decided from this
     /// node now (it leads it, prepared, or a leader it can reach does).
-    pub fn readiness_check(&self) -> Arc<dyn crate::observability::health::ReadinessCheck> {
+    pub fn readiness_check(&self) -> impl Fn() -> Result<(), String> + Send + Sync + 'static {
         let dp = Arc::clone(&self.node.dp);
-        Arc::new(move || {
+        move || {
             let unservable = dp.unservable_shards();
             match unservable.first() {
                 None => Ok(()),
@@ -278,7 +289,19 @@ impl Cluster {
                     dp.placement.shards()
                 )),
             }
-        })
+        }
+    }
+
+    /// Reads this node's data-path counters (for `/metrics`).
+    pub fn stats_source(&self) -> impl Fn() -> ClusterSnapshot + Send + Sync + 'static {
+        let dp = Arc::clone(&self.node.dp);
+        move || ClusterSnapshot {
+            stats: wire::NodeStats::read(&dp.stats),
+            shards_led: (0..dp.placement.shards())
+                .filter(|&s| dp.replica(s).is_some_and(|r| r.ready_term().is_some()))
+                .count() as u64,
+            shards_unservable: dp.unservable_shards().len() as u64,
+        }
     }
 
     /// This node's client address from the cluster file.

@@ -195,7 +195,13 @@ impl ClusterNode {
     /// Does `leader`'s own latest report, taken after `since`, say it does
     /// not lead `shard`? (It restarted, or stepped down, without anyone
     /// electing a successor.)
-    pub(super) fn disowned(&self, leader: NodeId, shard: u32, since: Instant) -> bool {
+    pub(super) fn disowned(
+        &self,
+        claims: &BTreeMap<NodeId, Vec<bool>>,
+        leader: NodeId,
+        shard: u32,
+        since: Instant,
+    ) -> bool {
         let received = self.report_times.lock().get(&leader).copied();
         let Some(received) = received else {
             return false;
@@ -207,13 +213,9 @@ impl ClusterNode {
         {
             return false;
         }
-        let reports = self.last_reports.lock();
-        let Some(report) = reports.get(&leader) else {
-            return false;
-        };
-        match report.shards.iter().find(|s| s.shard == shard) {
-            Some(view) => view.leader != Some(leader),
-            None => true,
+        match claims.get(&leader) {
+            Some(leads) => !leads.get(shard as usize).copied().unwrap_or(false),
+            None => false,
         }
     }
 
@@ -516,7 +518,8 @@ impl ClusterNode {
 
 /// A replica's view of its group.
 fn shard_report(replica: &Replica) -> ShardReport {
-    let metrics = replica.raft.metrics().borrow().clone();
+    let watch = replica.raft.metrics();
+    let metrics = watch.borrow();
     let lag = match (&metrics.replication, metrics.state) {
         (Some(replication), ServerState::Leader) => {
             let last = metrics.last_log_index.unwrap_or(0);
@@ -543,6 +546,25 @@ fn shard_report(replica: &Replica) -> ShardReport {
         ready: replica.ready_term().is_some(),
         lag,
     }
+}
+
+/// Which shards each peer said it leads in its last report, for the
+/// election watcher (computed once per look, not per shard).
+pub(super) fn claimed_leads(reports: &BTreeMap<NodeId, NodeReport>) -> BTreeMap<NodeId, Vec<bool>> {
+    reports
+        .iter()
+        .map(|(&node, report)| {
+            let mut leads = Vec::new();
+            for shard in &report.shards {
+                let at = shard.shard as usize;
+                if leads.len() <= at {
+                    leads.resize(at + 1, false);
+                }
+                leads[at] = shard.leader == Some(node);
+            }
+            (node, leads)
+        })
+        .collect()
 }
 
 /// Ends a replica's recovery once it has applied what its peers had:

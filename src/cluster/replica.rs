@@ -11,9 +11,13 @@
 //!   older term is then in the collection (two majorities share a replica,
 //!   which either applied it before promising, or refused it after).
 //! - A leader decides only while its own fence equals the term it prepared
-//!   for. Decisions and fence raises are serialized by the replica's gate
-//!   (a read lock per decision, the write lock to raise), so a promise reads
-//!   every state decided before it and no decision of the old term follows.
+//!   for, read before and again after the decision's store update: a
+//!   promise raises the fence and only then scans the store, one stripe
+//!   lock at a time, so either its scan sees the update (the stripe lock
+//!   orders the scan after it), or the second read sees the raised fence and
+//!   the decision is refused (its count stays in this store only, which can
+//!   only under-admit). Applying a follower's states is checked the same
+//!   way. No lock is taken for this: two atomic loads per decision.
 
 use super::storage::TollgateRaft;
 use super::wire::{ApplyRefusal, ShardRefusal};
@@ -23,7 +27,7 @@ use crate::store::{algorithm_hit, MemoryStore, StoreFull};
 use arc_swap::ArcSwap;
 use openraft::raft::VoteRequest;
 use openraft::{LogId, Raft};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -98,9 +102,6 @@ pub enum LocalDecision {
 pub struct Replica {
     pub shard: u32,
     pub raft: Raft<TollgateRaft>,
-    /// Read-locked by every decision and apply, write-locked to raise the
-    /// fence for a promise.
-    gate: RwLock<()>,
     /// The highest term promised or applied from.
     fence: AtomicU64,
     /// The term this node leads the shard in and may decide for (prepared:
@@ -133,7 +134,6 @@ impl Replica {
         Replica {
             shard,
             raft,
-            gate: RwLock::new(()),
             fence: AtomicU64::new(0),
             ready_term: AtomicU64::new(0),
             handing_over: AtomicBool::new(false),
@@ -163,7 +163,6 @@ impl Replica {
     /// counters of a majority that promised `term`). Refused when a newer
     /// term was promised meanwhile.
     pub fn set_ready(&self, term: u64) -> bool {
-        let _gate = self.gate.write();
         if self.fence.load(Ordering::Acquire) != term {
             return false;
         }
@@ -180,12 +179,10 @@ impl Replica {
     /// Promises `term`: refuses states of older terms from now on. Called by
     /// a new leader on itself and, through `Collect`, on the other voters.
     pub fn promise(&self, term: u64) -> Result<(), ApplyRefusal> {
-        let _gate = self.gate.write();
-        let fence = self.fence.load(Ordering::Acquire);
+        let fence = self.fence.fetch_max(term, Ordering::AcqRel);
         if fence > term {
             return Err(ApplyRefusal::Fenced { term: fence });
         }
-        self.fence.store(term, Ordering::Release);
         if self.ready_term.load(Ordering::Acquire) != term {
             self.ready_term.store(0, Ordering::Release);
         }
@@ -223,13 +220,8 @@ impl Replica {
         let Some(quota) = WindowQuota::new(op.credit_limit, op.reset_seconds) else {
             return LocalDecision::Invalid(ShardRefusal::InvalidQuota);
         };
-        let _gate = self.gate.read();
-        let fence = self.fence.load(Ordering::Acquire);
-        if fence != term {
-            let _ = self
-                .ready_term
-                .compare_exchange(term, 0, Ordering::AcqRel, Ordering::Acquire);
-            return LocalDecision::Refused(ShardRefusal::Superseded(fence));
+        if let Err(refused) = self.check_fence(term) {
+            return refused;
         }
         if op.peek {
             let state = store.get(op.key, now_ms);
@@ -246,6 +238,11 @@ impl Replica {
             changed = new_state;
             (decision, new_state)
         });
+        // A promise of a newer term may have scanned the store before this
+        // update: then this decision never happened, as far as anyone knows.
+        if let Err(refused) = self.check_fence(term) {
+            return refused;
+        }
         match result {
             Ok(decision) => LocalDecision::Decided {
                 decision,
@@ -256,8 +253,22 @@ impl Replica {
         }
     }
 
+    /// Still leading in `term` (no newer term promised)?
+    fn check_fence(&self, term: u64) -> Result<(), LocalDecision> {
+        let fence = self.fence.load(Ordering::Acquire);
+        if fence == term {
+            return Ok(());
+        }
+        let _ = self
+            .ready_term
+            .compare_exchange(term, 0, Ordering::AcqRel, Ordering::Acquire);
+        Err(LocalDecision::Refused(ShardRefusal::Superseded(fence)))
+    }
+
     /// Applies states a leader of `term` sent (a round, a sync), unless a
-    /// newer term was promised. Returns how many the live-key cap dropped.
+    /// newer term was promised (before, or while they were applied: then a
+    /// promise's scan may have missed them, so they do not count as held
+    /// here). Returns how many the live-key cap dropped.
     pub fn apply<'a>(
         &self,
         store: &MemoryStore,
@@ -265,7 +276,6 @@ impl Replica {
         stamped_ms: u64,
         states: impl IntoIterator<Item = (&'a [u8], CounterState)>,
     ) -> Result<usize, ApplyRefusal> {
-        let _gate = self.gate.read();
         let fence = self.fence.fetch_max(term, Ordering::AcqRel);
         if fence > term {
             return Err(ApplyRefusal::Fenced { term: fence });
@@ -275,6 +285,10 @@ impl Replica {
             if store.merge(key, state, stamped_ms).is_err() {
                 dropped += 1;
             }
+        }
+        let fence = self.fence.load(Ordering::Acquire);
+        if fence > term {
+            return Err(ApplyRefusal::Fenced { term: fence });
         }
         Ok(dropped)
     }

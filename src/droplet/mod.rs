@@ -59,8 +59,20 @@ impl Default for DropletConfig {
 }
 
 impl StoredState for BucketState {
+    /// Buckets are kept whole in their slots (inline keys still save a
+    /// pointer per lookup).
+    type Packed = BucketState;
+
     fn expires_at_ms(&self) -> u64 {
         self.forget_at_ms()
+    }
+
+    fn pack(&self) -> Option<BucketState> {
+        Some(*self)
+    }
+
+    fn unpack(packed: BucketState) -> BucketState {
+        packed
     }
 }
 

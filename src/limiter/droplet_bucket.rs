@@ -142,7 +142,7 @@ struct PeriodState {
 }
 
 /// A bucket as the store keeps it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BucketState {
     periods: [PeriodState; PERIOD_COUNT],
     /// The cleanup tick at which this bucket is forgotten: the first one after

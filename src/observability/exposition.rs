@@ -10,6 +10,7 @@
 //! codes, the backend's name, the drop reason and the version.
 
 use super::health::Readiness;
+use crate::cluster::ClusterSnapshot;
 use crate::droplet::Buckets;
 use crate::engine::Engine;
 use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES, HIT_DURATION_BUCKETS_SECONDS};
@@ -50,7 +51,12 @@ pub struct ExportSources {
     pub buckets: Option<Arc<Buckets>>,
     /// Says whether the backend can decide hits (`tollgate_backend_healthy`).
     pub readiness: Arc<Readiness>,
+    /// The cluster's data-path counters, in cluster mode.
+    pub cluster: Option<ClusterSource>,
 }
+
+/// Reads a cluster node's data-path counters at scrape time.
+pub type ClusterSource = Arc<dyn Fn() -> ClusterSnapshot + Send + Sync>;
 
 /// Renders the exposition text on demand.
 pub struct PrometheusExporter {
@@ -181,7 +187,135 @@ const STATSD_DROPPED: Family = Family {
     labels: &["reason"],
 };
 
-const FAMILIES: [&Family; 16] = [
+/// A cluster node's counters: `(family, value)`.
+fn cluster_counters(snapshot: &ClusterSnapshot) -> [(&'static Family, u64); 13] {
+    let s = &snapshot.stats;
+    [
+        (&CLUSTER_ROUNDS, s.rounds),
+        (&CLUSTER_ROUND_SECTIONS, s.round_sections),
+        (&CLUSTER_STATES_REPLICATED, s.states_replicated),
+        (&CLUSTER_SECTIONS_COMMITTED, s.sections_committed),
+        (&CLUSTER_SECTIONS_FAILED, s.sections_failed),
+        (&CLUSTER_STATES_APPLIED, s.states_applied),
+        (&CLUSTER_STATES_REFUSED, s.states_refused),
+        (&CLUSTER_FORWARD_BATCHES, s.forward_batches),
+        (&CLUSTER_FORWARDED_HITS, s.forwarded_ops),
+        (&CLUSTER_FORWARDS_DECIDED, s.forwards_decided),
+        (&CLUSTER_PEER_WRITES, s.writes),
+        (&CLUSTER_PEER_FRAMES, s.frames_written),
+        (&CLUSTER_PEER_BYTES, s.bytes_written),
+    ]
+}
+
+macro_rules! cluster_family {
+    ($id:ident, $name:literal, $kind:expr, $help:literal) => {
+        const $id: Family = Family {
+            name: $name,
+            help: $help,
+            kind: $kind,
+            labels: &[],
+        };
+    };
+}
+cluster_family!(
+    CLUSTER_ROUNDS,
+    "tollgate_cluster_rounds_total",
+    MetricType::COUNTER,
+    "Replication rounds this node sent as a leader (one frame section per shard and peer)."
+);
+cluster_family!(
+    CLUSTER_ROUND_SECTIONS,
+    "tollgate_cluster_round_sections_total",
+    MetricType::COUNTER,
+    "Shard sections of those rounds."
+);
+cluster_family!(
+    CLUSTER_STATES_REPLICATED,
+    "tollgate_cluster_states_replicated_total",
+    MetricType::COUNTER,
+    "Counter states those rounds carried (one per admitted hit, less those merged in a round)."
+);
+cluster_family!(
+    CLUSTER_SECTIONS_COMMITTED,
+    "tollgate_cluster_sections_committed_total",
+    MetricType::COUNTER,
+    "Round sections held by a majority of their shard's replicas."
+);
+cluster_family!(CLUSTER_SECTIONS_FAILED, "tollgate_cluster_sections_failed_total", MetricType::COUNTER,
+    "Round sections that did not commit (superseded by a newer leader, replicas unreachable, timed out).");
+cluster_family!(
+    CLUSTER_STATES_APPLIED,
+    "tollgate_cluster_states_applied_total",
+    MetricType::COUNTER,
+    "Counter states applied here as a follower (rounds and syncs)."
+);
+cluster_family!(
+    CLUSTER_STATES_REFUSED,
+    "tollgate_cluster_states_refused_total",
+    MetricType::COUNTER,
+    "Counter states refused here (from a leader of an older term, or for a shard not held here)."
+);
+cluster_family!(
+    CLUSTER_FORWARD_BATCHES,
+    "tollgate_cluster_forward_batches_total",
+    MetricType::COUNTER,
+    "Batches of hits this node forwarded to shard leaders (one per peer per connection read)."
+);
+cluster_family!(
+    CLUSTER_FORWARDED_HITS,
+    "tollgate_cluster_forwarded_hits_total",
+    MetricType::COUNTER,
+    "Hits in those batches."
+);
+cluster_family!(
+    CLUSTER_FORWARDS_DECIDED,
+    "tollgate_cluster_forwards_decided_total",
+    MetricType::COUNTER,
+    "Hits other nodes forwarded that this node decided as their shard's leader."
+);
+cluster_family!(
+    CLUSTER_PEER_WRITES,
+    "tollgate_cluster_peer_writes_total",
+    MetricType::COUNTER,
+    "Writes (system calls) to peer connections."
+);
+cluster_family!(
+    CLUSTER_PEER_FRAMES,
+    "tollgate_cluster_peer_frames_total",
+    MetricType::COUNTER,
+    "Frames those writes carried (data and control)."
+);
+cluster_family!(
+    CLUSTER_PEER_BYTES,
+    "tollgate_cluster_peer_bytes_total",
+    MetricType::COUNTER,
+    "Bytes written to peer connections."
+);
+cluster_family!(
+    CLUSTER_SHARDS_LED,
+    "tollgate_cluster_shards_led",
+    MetricType::GAUGE,
+    "Shards this node leads and decides."
+);
+cluster_family!(CLUSTER_SHARDS_UNSERVABLE, "tollgate_cluster_shards_unservable", MetricType::GAUGE,
+    "Shards a hit sent to this node could not be decided for now (no leader, or the leader unreachable).");
+
+const FAMILIES: [&Family; 31] = [
+    &CLUSTER_ROUNDS,
+    &CLUSTER_ROUND_SECTIONS,
+    &CLUSTER_STATES_REPLICATED,
+    &CLUSTER_SECTIONS_COMMITTED,
+    &CLUSTER_SECTIONS_FAILED,
+    &CLUSTER_STATES_APPLIED,
+    &CLUSTER_STATES_REFUSED,
+    &CLUSTER_FORWARD_BATCHES,
+    &CLUSTER_FORWARDED_HITS,
+    &CLUSTER_FORWARDS_DECIDED,
+    &CLUSTER_PEER_WRITES,
+    &CLUSTER_PEER_FRAMES,
+    &CLUSTER_PEER_BYTES,
+    &CLUSTER_SHARDS_LED,
+    &CLUSTER_SHARDS_UNSERVABLE,
     &DIVVY_CONNECTIONS,
     &DIVVY_HIT_DURATION,
     &DIVVY_HITS,
@@ -290,6 +424,17 @@ impl Collector for ServerCollector {
         }
         if let Some(buckets) = &self.sources.buckets {
             out.push(plain_gauge(&DROPLET_BUCKETS, buckets.len() as f64));
+        }
+        if let Some(cluster) = &self.sources.cluster {
+            let snapshot = cluster();
+            for (family, value) in cluster_counters(&snapshot) {
+                out.push(plain_counter(family, value));
+            }
+            out.push(plain_gauge(&CLUSTER_SHARDS_LED, snapshot.shards_led as f64));
+            out.push(plain_gauge(
+                &CLUSTER_SHARDS_UNSERVABLE,
+                snapshot.shards_unservable as f64,
+            ));
         }
         out
     }

@@ -53,6 +53,8 @@ pub struct Observed {
     /// The droplet token buckets, when the server keeps them.
     pub buckets: Option<Arc<Buckets>>,
     pub readiness: Arc<Readiness>,
+    /// A cluster node's data-path counters, in cluster mode.
+    pub cluster: Option<exposition::ClusterSource>,
 }
 
 /// The running exporters; stopped on [`Observability::stop`] or drop.
@@ -91,6 +93,7 @@ impl Observability {
                         store: observed.store,
                         buckets: observed.buckets,
                         readiness: Arc::clone(&observed.readiness),
+                        cluster: observed.cluster,
                     })?,
                     readiness: Arc::clone(&observed.readiness),
                     metrics_path: config.metrics_path.clone(),

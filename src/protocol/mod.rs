@@ -8,7 +8,10 @@
 mod parse;
 mod response;
 
-pub use parse::{is_whitespace, parse_line, Command, Pairs, ParseError, Verb};
+pub use parse::{
+    bytes_eq, is_whitespace, parse_line, parse_line_into, short_words, Command, Pairs, ParseError,
+    Verb,
+};
 pub use response::{encode_err, encode_ok, ErrorCode};
 
 /// Finds the end of the next complete line in `buf`. Returns the line without

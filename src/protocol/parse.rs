@@ -34,6 +34,14 @@ impl Verb {
         (Verb::Topology, "TOPOLOGY"),
     ];
 
+    /// The verb of an ASCII command word, matched without case.
+    fn from_ascii_word(word: &[u8]) -> Option<Verb> {
+        Self::ALL
+            .iter()
+            .find(|(_, name)| word.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(verb, _)| *verb)
+    }
+
     fn from_word(word: &str) -> Option<Verb> {
         if word.is_ascii() {
             Self::ALL
@@ -106,9 +114,14 @@ impl<'a> Pairs<'a> {
             self.items
                 .iter()
                 .rev()
-                .find(|(k, _)| *k == key)
+                .find(|(k, _)| bytes_eq(k.as_bytes(), key.as_bytes()))
                 .map(|(_, v)| *v)
         }
+    }
+
+    /// The value of the pair at `position` in [`Pairs::iter`]'s order.
+    pub fn value_at(&self, position: usize) -> Option<&'a str> {
+        self.items.get(position).map(|&(_, value)| value)
     }
 
     /// Every pair as given (with duplicates when few pairs were given).
@@ -118,6 +131,46 @@ impl<'a> Pairs<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
+    }
+}
+
+/// Byte equality for the short strings of requests (keys, values): lengths
+/// first, then, up to 16 bytes, two words ([`short_words`]) instead of a
+/// library call.
+#[inline]
+pub fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len()
+        && match (short_words(a), short_words(b)) {
+            (Some(x), Some(y)) => x == y,
+            _ => a == b,
+        }
+}
+
+/// A string of at most 16 bytes as two words read at both ends (they overlap
+/// when it is shorter): for strings of one length, equal words mean equal
+/// bytes. `None` beyond 16 bytes.
+#[inline(always)]
+pub fn short_words(s: &[u8]) -> Option<(u64, u64)> {
+    let n = s.len();
+    let u32_at = |i: usize| {
+        s.get(i..i + 4).map_or(0, |b| {
+            u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        })
+    };
+    let u64_at = |i: usize| {
+        s.get(i..i + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    match n {
+        0 => Some((0, 0)),
+        1..=3 => Some((
+            u64::from(s[0]) | u64::from(s[n / 2]) << 8 | u64::from(s[n - 1]) << 16,
+            0,
+        )),
+        4..=7 => Some((u32_at(0) | u32_at(n - 4) << 32, 0)),
+        8..=16 => Some((u64_at(0), u64_at(n - 8))),
+        _ => None,
     }
 }
 
@@ -275,6 +328,207 @@ fn char_at(s: &str, pos: usize) -> Option<char> {
 
 /// Parses one request line (without its terminator).
 pub fn parse_line(line: &str) -> Result<Command<'_>, ParseError> {
+    let mut pairs = Pairs::default();
+    let verb = parse_line_into(line, &mut pairs)?;
+    Ok(Command { verb, pairs })
+}
+
+/// Parses one request line into `pairs` (which must be empty), returning its
+/// verb: [`parse_line`] without moving the pairs around, for the hot path.
+pub fn parse_line_into<'a>(line: &'a str, pairs: &mut Pairs<'a>) -> Result<Verb, ParseError> {
+    if let Some(verb) = parse_line_fast(line, pairs) {
+        return Ok(verb);
+    }
+    pairs.items.clear();
+    pairs.sorted = false;
+    let command = parse_line_general(line)?;
+    *pairs = command.pairs;
+    Ok(command.verb)
+}
+
+/// Longest line the fast path takes (longer lines are rare; the general
+/// parser reads them).
+const FAST_LINE_BYTES_MAX: usize = 256;
+
+/// Where the stop bytes of a line are (one bit per byte): bytes ≤ 0x20
+/// (whitespace and control characters), `=`, `"`, and non-ASCII bytes. Built
+/// 16 bytes at a time; the parser then walks the stops in order, so finding
+/// the end of a token is one bit scan.
+struct Stops {
+    words: [u64; FAST_LINE_BYTES_MAX / 64],
+    /// The word being walked, and its stops not yet passed.
+    word: usize,
+    bits: u64,
+}
+
+impl Stops {
+    fn new(bytes: &[u8]) -> Option<Stops> {
+        if bytes.len() > FAST_LINE_BYTES_MAX {
+            return None;
+        }
+        let mut words = [0u64; FAST_LINE_BYTES_MAX / 64];
+        let mut blocks = bytes.chunks_exact(16);
+        let mut at = 0;
+        for block in blocks.by_ref() {
+            if let Ok(block) = <&[u8; 16]>::try_from(block) {
+                words[at / 64] |= u64::from(stop_mask(block)) << (at % 64);
+            }
+            at += 16;
+        }
+        let tail = blocks.remainder();
+        if !tail.is_empty() {
+            // Padding with a byte that never stops a token: no stop past the end.
+            let mut array = [b'a'; 16];
+            array[..tail.len()].copy_from_slice(tail);
+            words[at / 64] |= u64::from(stop_mask(&array)) << (at % 64);
+        }
+        Some(Stops {
+            words,
+            word: 0,
+            bits: words[0],
+        })
+    }
+
+    /// Takes the next stop; `len` (the line's length) when none is left.
+    #[inline(always)]
+    fn next(&mut self, len: usize) -> usize {
+        loop {
+            if self.bits != 0 {
+                let at = self.word * 64 + self.bits.trailing_zeros() as usize;
+                self.bits &= self.bits - 1;
+                return at;
+            }
+            self.word += 1;
+            match self.words.get(self.word) {
+                Some(&bits) => self.bits = bits,
+                None => return len,
+            }
+        }
+    }
+
+    /// Drops the stops before `pos`.
+    #[inline(always)]
+    fn skip_to(&mut self, pos: usize) {
+        let word = pos / 64;
+        if word != self.word {
+            self.word = word;
+            self.bits = self.words.get(word).copied().unwrap_or(0);
+        }
+        self.bits &= u64::MAX << (pos % 64);
+    }
+}
+
+/// One bit per byte of `block`: is it a stop byte?
+#[cfg(target_arch = "x86_64")]
+fn stop_mask(block: &[u8; 16]) -> u16 {
+    use std::arch::x86_64::{
+        _mm_cmpeq_epi8, _mm_loadu_si128, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128,
+        _mm_set1_epi8,
+    };
+    // SAFETY: SSE2 is part of x86_64; the load reads the 16 bytes of `block`.
+    unsafe {
+        let v = _mm_loadu_si128(block.as_ptr().cast());
+        let space = _mm_set1_epi8(0x20);
+        let low = _mm_cmpeq_epi8(_mm_max_epu8(v, space), space);
+        let equals = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'=' as i8));
+        let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
+        // The sign bit of each byte is the non-ASCII test itself.
+        _mm_movemask_epi8(_mm_or_si128(
+            _mm_or_si128(low, equals),
+            _mm_or_si128(quote, v),
+        )) as u16
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn stop_mask(block: &[u8; 16]) -> u16 {
+    block
+        .iter()
+        .enumerate()
+        .filter(|&(_, &b)| b <= 0x20 || b == b'=' || b == b'"' || b >= 0x80)
+        .fold(0, |mask, (i, _)| mask | 1 << i)
+}
+
+/// The common line, read in one pass: ASCII, well formed, each token ended by
+/// ASCII whitespace or `=`. Anything else (an error, a non-ASCII character
+/// outside quotes, a control character, a `"` inside an unquoted token, a
+/// line over [`FAST_LINE_BYTES_MAX`]) returns `None`, and the general parser,
+/// which knows every rule and every message, reads the line again. The two
+/// agree wherever this one answers (a property test checks it).
+fn parse_line_fast<'a>(line: &'a str, pairs: &mut Pairs<'a>) -> Option<Verb> {
+    let bytes = line.as_bytes();
+    let len = bytes.len();
+    let mut stops = Stops::new(bytes)?;
+    let word_end = stops.next(len);
+    if word_end == 0 {
+        return None;
+    }
+    let verb = Verb::from_ascii_word(bytes.get(..word_end)?)?;
+    let mut pos = word_end;
+    loop {
+        // After the command word or a value: the end, or whitespace.
+        match bytes.get(pos) {
+            None => break,
+            Some(&b) if is_ascii_whitespace_byte(b) => {}
+            Some(_) => return None,
+        }
+        pos += 1;
+        while bytes.get(pos).is_some_and(|&b| is_ascii_whitespace_byte(b)) {
+            pos += 1;
+        }
+        if pos == len {
+            break;
+        }
+        stops.skip_to(pos);
+        let (key, after_key) = fast_token(line, &mut stops, pos)?;
+        if bytes.get(after_key) != Some(&b'=') {
+            return None;
+        }
+        let (value, after_value) = fast_token(line, &mut stops, after_key + 1)?;
+        pairs.items.push((key, value));
+        pos = after_value;
+    }
+    pairs.finish();
+    Some(verb)
+}
+
+/// Divvy's ASCII whitespace (not `=`): tab, newline, vertical tab, form
+/// feed, carriage return and space, as one bit test.
+#[inline(always)]
+fn is_ascii_whitespace_byte(b: u8) -> bool {
+    const WHITESPACE: u64 =
+        1 << b' ' | 1 << b'\t' | 1 << b'\n' | 1 << 0x0b | 1 << 0x0c | 1 << b'\r';
+    b <= b' ' && WHITESPACE >> b & 1 == 1
+}
+
+/// One token of the fast path starting at `pos` (`pos <= line.len()`; no
+/// stop before `pos` is left in `stops`): quoted, to the next `"`;
+/// otherwise to the next stop, which must be whitespace, `=` or the end.
+/// Returns the token and the position after it, whose stop is taken.
+#[inline(always)]
+fn fast_token<'a>(line: &'a str, stops: &mut Stops, pos: usize) -> Option<(&'a str, usize)> {
+    let bytes = line.as_bytes();
+    if bytes.get(pos) == Some(&b'"') {
+        let close = pos + 1 + memchr::memchr(b'"', bytes.get(pos + 1..)?)?;
+        stops.skip_to(close + 2);
+        // Both quotes are ASCII, so both ends are character boundaries.
+        return Some((line.get(pos + 1..close)?, close + 1));
+    }
+    let end = stops.next(bytes.len());
+    match bytes.get(end) {
+        Some(&b) if b != b'=' && !is_ascii_whitespace_byte(b) => None,
+        _ => {
+            let token = bytes.get(pos..end)?;
+            // SAFETY: every non-ASCII byte is a stop, so the bytes from `pos`
+            // (a token's start) to the first stop are ASCII: valid UTF-8.
+            Some((unsafe { std::str::from_utf8_unchecked(token) }, end))
+        }
+    }
+}
+
+/// Parses one request line with every rule of the tokenizer (any Unicode,
+/// quotes anywhere, divvy's exact error messages).
+fn parse_line_general(line: &str) -> Result<Command<'_>, ParseError> {
     let (word, after_word) = read_token(line, 0)?;
     let verb =
         Verb::from_word(word).ok_or_else(|| ParseError::UnknownCommand(word.to_uppercase()))?;
@@ -400,6 +654,27 @@ mod tests {
     }
 
     #[test]
+    fn bytes_eq_is_equality() {
+        let words: Vec<Vec<u8>> = (0..20)
+            .flat_map(|n| {
+                let base: Vec<u8> = (0..n).map(|i| b'a' + i as u8).collect();
+                let mut variants = vec![base.clone()];
+                for i in 0..n {
+                    let mut v = base.clone();
+                    v[i] ^= 1;
+                    variants.push(v);
+                }
+                variants
+            })
+            .collect();
+        for a in &words {
+            for b in &words {
+                assert_eq!(bytes_eq(a, b), a == b, "{a:?} {b:?}");
+            }
+        }
+    }
+
+    #[test]
     fn other_verbs() {
         assert_eq!(parse_line("peek a=b").unwrap().verb, Verb::Peek);
         assert_eq!(parse_line("TAKE bucket=x").unwrap().verb, Verb::Take);
@@ -426,6 +701,32 @@ mod properties {
             prop_assert_eq!(unquoted_len(&s), reference_unquoted_len(&s));
             let ws = s.len() - s.trim_start_matches(is_whitespace).len();
             prop_assert_eq!(whitespace_len(&s), ws);
+        }
+
+        /// The fast path answers only where the general parser agrees.
+        #[test]
+        fn fast_path_agrees_with_the_general_parser(s in "(?i:hit|peek|take|x)?[ a-c=\"\t\r\u{b}\u{1}\u{a0}\u{3000}é]{0,40}") {
+            let mut pairs = Pairs::default();
+            if let Some(verb) = parse_line_fast(&s, &mut pairs) {
+                prop_assert_eq!(Ok(Command { verb, pairs }), parse_line_general(&s));
+            }
+        }
+
+        /// Well-formed ASCII lines take the fast path.
+        #[test]
+        fn well_formed_lines_take_the_fast_path(pairs in proptest::collection::vec(("[a-z0-9/.*-]{0,12}", "[a-z0-9/.*-]{0,12}", any::<bool>()), 0..10)) {
+            let mut line = String::from("HIT");
+            for (k, v, quoted) in &pairs {
+                if *quoted {
+                    line.push_str(&format!(" \"{k}\"=\"{v}\""));
+                } else {
+                    line.push_str(&format!(" {k}={v}"));
+                }
+            }
+            let mut pairs = Pairs::default();
+            let verb = parse_line_fast(&line, &mut pairs);
+            prop_assert!(verb.is_some(), "{}", line);
+            prop_assert_eq!(Ok(Command { verb: verb.unwrap(), pairs }), parse_line_general(&line));
         }
 
         /// Any input parses or fails with a message; it never panics.

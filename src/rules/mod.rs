@@ -8,6 +8,7 @@ pub mod diagnostics;
 mod ini_file;
 mod ini_scan;
 mod json_file;
+mod matcher;
 mod pattern;
 
 use crate::protocol::Pairs;
@@ -275,6 +276,8 @@ impl ConfigError {
 #[derive(Debug, Clone)]
 pub struct RuleSet {
     rules: Vec<Rule>,
+    /// The rules' matching, compiled once (see [`matcher`]).
+    matcher: matcher::Matcher,
     /// Where the rules came from ("embedded default" or a path), for logs.
     pub source: String,
 }
@@ -317,6 +320,7 @@ impl RuleSet {
             Some(_) => {}
         }
         Ok(RuleSet {
+            matcher: matcher::Matcher::new(&rules),
             rules,
             source: String::new(),
         })
@@ -331,8 +335,8 @@ impl RuleSet {
     /// result of the last rule yielded.
     pub fn evaluate<'s, 'r, 'p>(&'s self, request: &'r Pairs<'p>) -> Evaluated<'s, 'r, 'p> {
         Evaluated {
-            rules: self.rules.iter(),
-            request,
+            rules: &self.rules,
+            evaluation: self.matcher.start(request),
             done: false,
         }
     }
@@ -355,9 +359,17 @@ impl RuleSet {
 
 /// Iterator over the rules a request evaluates (see [`RuleSet::evaluate`]).
 pub struct Evaluated<'s, 'r, 'p> {
-    rules: std::slice::Iter<'s, Rule>,
-    request: &'r Pairs<'p>,
+    rules: &'s [Rule],
+    evaluation: matcher::Evaluation<'s, 'r, 'p>,
     done: bool,
+}
+
+impl<'p> Evaluated<'_, '_, 'p> {
+    /// The actor of `rule`, one this evaluation yielded: [`Rule::actor`],
+    /// from the values already looked up.
+    pub fn actor(&self, rule: &Rule) -> &'p str {
+        self.evaluation.actor(rule.position)
+    }
 }
 
 impl<'s> Iterator for Evaluated<'s, '_, '_> {
@@ -367,16 +379,16 @@ impl<'s> Iterator for Evaluated<'s, '_, '_> {
         if self.done {
             return None;
         }
-        for rule in self.rules.by_ref() {
-            if rule.matches(self.request) {
-                if rule.match_policy == MatchPolicy::Stop {
-                    self.done = true;
-                }
-                return Some(rule);
+        match self.evaluation.next_match() {
+            Some((position, stop)) => {
+                self.done = stop;
+                self.rules.get(position)
+            }
+            None => {
+                self.done = true;
+                None
             }
         }
-        self.done = true;
-        None
     }
 }
 

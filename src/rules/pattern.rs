@@ -1,6 +1,7 @@
 //! One value of a rule's operation: `*` (anything, even absent), a glob with
 //! `*` wildcards anchored at the start of the value only, or an exact string.
 
+use crate::protocol::bytes_eq;
 use memchr::memmem::Finder;
 
 /// How a rule's value matches a request's value (SPEC §3).
@@ -61,7 +62,9 @@ impl Pattern {
         match (self, value) {
             (Pattern::Any, _) => true,
             (_, None) => false,
-            (Pattern::Exact(expected), Some(value)) => expected == value,
+            (Pattern::Exact(expected), Some(value)) => {
+                bytes_eq(expected.as_bytes(), value.as_bytes())
+            }
             (Pattern::Glob { prefix, pieces, .. }, Some(value)) => {
                 glob_matches(prefix, pieces, value)
             }
@@ -72,10 +75,16 @@ impl Pattern {
 /// Start-anchored glob: leftmost matching of each piece in turn is optimal
 /// because nothing anchors the end.
 fn glob_matches(prefix: &str, pieces: &[Finder<'static>], value: &str) -> bool {
-    let Some(remaining) = value.as_bytes().strip_prefix(prefix.as_bytes()) else {
+    let (value, prefix) = (value.as_bytes(), prefix.as_bytes());
+    if value.len() < prefix.len() || !bytes_eq(&value[..prefix.len()], prefix) {
         return false;
-    };
-    let mut remaining = remaining;
+    }
+    pieces_match(pieces, &value[prefix.len()..])
+}
+
+/// Do the glob's pieces follow each other, in order, in `remaining` (the
+/// value after the glob's prefix)?
+pub(super) fn pieces_match(pieces: &[Finder<'static>], mut remaining: &[u8]) -> bool {
     for piece in pieces {
         match piece.find(remaining) {
             Some(at) => remaining = &remaining[at + piece.needle().len()..],

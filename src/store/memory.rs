@@ -1,7 +1,15 @@
 //! The in-memory counter store: a power-of-two number of cache-padded,
-//! `parking_lot`-locked stripes, each a `hashbrown` table keyed by the counter
-//! key's bytes. A key is hashed once (ahash); distinct bit ranges of that hash
+//! `parking_lot`-locked stripes, each a `hashbrown` table of 32-byte-aligned
+//! slots. A key is hashed once (ahash); distinct bit ranges of that hash
 //! pick the stripe and the slot, so the two are independent.
+//!
+//! A slot holds the key itself when it is short ([`INLINE_KEY_BYTES_MAX`]
+//! bytes) and the state in its packed form ([`StoredState::pack`]), so the
+//! common lookup reads the table's control bytes and one cache line, and
+//! compares the key without following a pointer. A longer key, or a state
+//! too large to pack, is *spilled*: the slot then holds the key's full hash
+//! (a fingerprint, compared before anything else) and the index of an entry
+//! in the stripe's spill slab, which holds the key and the state.
 //!
 //! Expired entries read as absent. A sweeper thread reclaims them in bounded
 //! steps (one stripe at a time), and a cap on live keys bounds memory: when it
@@ -13,7 +21,7 @@
 //! [`CounterState`] store) and droplet's buckets share the same stripes,
 //! sweeper and cap.
 
-use crate::limiter::CounterState;
+use crate::limiter::{CounterState, FullAt};
 use crossbeam_utils::CachePadded;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
@@ -24,6 +32,15 @@ use std::time::Duration;
 /// Bit offset of the stripe index inside the key hash: above the bits
 /// hashbrown uses for slots in any realistic table, below its 7 tag bits.
 const STRIPE_HASH_SHIFT: u32 = 40;
+
+/// Longest key kept inside its slot. 23 bytes, with the length byte, make the
+/// slot's first 24 bytes: an 8-byte rule identity and an IPv4 address as text
+/// fit.
+pub const INLINE_KEY_BYTES_MAX: usize = 23;
+
+/// The first byte of a spilled slot's head (inline keys store their length,
+/// at most [`INLINE_KEY_BYTES_MAX`], there).
+const SPILLED: u8 = 0xff;
 
 /// The live-key cap was reached and the key's stripe had nothing expired to
 /// reclaim: the update was not stored.
@@ -36,30 +53,295 @@ pub struct StoreFull {
 /// What a [`StripedStore`] keeps per key: a small value, copied in and out
 /// under the stripe lock, that knows when it stops being worth anything.
 pub trait StoredState: Copy + Send + 'static {
+    /// The state's form inside a slot, beside an inline key: 8 bytes keep a
+    /// slot at 32 bytes (two per cache line).
+    type Packed: Copy + Send + Default + 'static;
+
     /// From this instant on the state reads as absent and may be reclaimed.
     fn expires_at_ms(&self) -> u64;
+
+    /// The packed form, or `None` when this value does not fit it (the entry
+    /// is then spilled: correct, one pointer further away).
+    fn pack(&self) -> Option<Self::Packed>;
+
+    /// The inverse of [`StoredState::pack`].
+    fn unpack(packed: Self::Packed) -> Self;
 }
 
+/// Bits of a packed counter: a 2-bit variant tag, an instant in milliseconds
+/// since the epoch (42 bits: until the year 2109) and one or two counts.
+const PACK_MS_BITS: u32 = 42;
+const PACK_COUNT_BITS: u32 = 20;
+const PACK_HALF_COUNT_BITS: u32 = PACK_COUNT_BITS / 2;
+const PACK_TAG_SHIFT: u32 = 62;
+const PACK_WINDOW: u64 = 1;
+const PACK_TOKEN_BUCKET: u64 = 2;
+const PACK_SLIDING_WINDOW: u64 = 3;
+
+/// A [`CounterState`] in 8 bytes; the 0 value (never produced by `pack`) is
+/// only a placeholder in spilled slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PackedCounter(u64);
+
 impl StoredState for CounterState {
+    type Packed = PackedCounter;
+
     fn expires_at_ms(&self) -> u64 {
         CounterState::expires_at_ms(self)
     }
+
+    fn pack(&self) -> Option<PackedCounter> {
+        let fits = |ms: u64, counts: &[(u64, u32)]| {
+            ms < 1 << PACK_MS_BITS && counts.iter().all(|&(n, bits)| n < 1 << bits)
+        };
+        let packed = match *self {
+            CounterState::Window { end_ms, used } => {
+                if !fits(end_ms, &[(used, PACK_COUNT_BITS)]) {
+                    return None;
+                }
+                PACK_WINDOW << PACK_TAG_SHIFT | end_ms << PACK_COUNT_BITS | used
+            }
+            CounterState::TokenBucket { full_at } => {
+                let (ms, remainder) = full_at.to_parts();
+                if !fits(ms, &[(remainder, PACK_COUNT_BITS)]) {
+                    return None;
+                }
+                PACK_TOKEN_BUCKET << PACK_TAG_SHIFT | ms << PACK_COUNT_BITS | remainder
+            }
+            CounterState::SlidingWindow {
+                expires_at_ms,
+                current,
+                previous,
+            } => {
+                let half = PACK_HALF_COUNT_BITS;
+                if !fits(expires_at_ms, &[(current, half), (previous, half)]) {
+                    return None;
+                }
+                PACK_SLIDING_WINDOW << PACK_TAG_SHIFT
+                    | expires_at_ms << PACK_COUNT_BITS
+                    | current << half
+                    | previous
+            }
+        };
+        Some(PackedCounter(packed))
+    }
+
+    fn unpack(packed: PackedCounter) -> CounterState {
+        let bits = packed.0;
+        let ms = (bits >> PACK_COUNT_BITS) & ((1 << PACK_MS_BITS) - 1);
+        let count = bits & ((1 << PACK_COUNT_BITS) - 1);
+        let half_mask = (1 << PACK_HALF_COUNT_BITS) - 1;
+        match bits >> PACK_TAG_SHIFT {
+            PACK_TOKEN_BUCKET => CounterState::TokenBucket {
+                full_at: FullAt::from_parts(ms, count),
+            },
+            PACK_SLIDING_WINDOW => CounterState::SlidingWindow {
+                expires_at_ms: ms,
+                current: (count >> PACK_HALF_COUNT_BITS) & half_mask,
+                previous: count & half_mask,
+            },
+            // PACK_WINDOW, and the placeholder (an expired empty window).
+            _ => CounterState::Window {
+                end_ms: ms,
+                used: count,
+            },
+        }
+    }
 }
 
-struct Entry<S> {
+/// One slot of a stripe's table: 32 bytes (for an 8-byte packed state),
+/// aligned so that a slot never straddles two cache lines.
+///
+/// `head[0]` is the inline key's length and `head[1..]` its bytes, zero
+/// padded, so that comparing a key is comparing 24 bytes; for a spilled
+/// entry `head[0]` is [`SPILLED`], `head[4..8]` the slab index and
+/// `head[8..16]` the key's full hash.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Slot<P> {
+    head: [u8; INLINE_KEY_BYTES_MAX + 1],
+    packed: P,
+}
+
+impl<P: Copy> Slot<P> {
+    fn inline_key(&self) -> Option<&[u8]> {
+        let len = usize::from(self.head[0]);
+        (len <= INLINE_KEY_BYTES_MAX).then(|| &self.head[1..1 + len])
+    }
+
+    fn spilled(index: u32, hash: u64, packed: P) -> Slot<P> {
+        let mut head = [0u8; INLINE_KEY_BYTES_MAX + 1];
+        head[0] = SPILLED;
+        head[4..8].copy_from_slice(&index.to_le_bytes());
+        head[8..16].copy_from_slice(&hash.to_le_bytes());
+        Slot { head, packed }
+    }
+
+    fn spill_index(&self) -> usize {
+        let mut index = [0u8; 4];
+        index.copy_from_slice(&self.head[4..8]);
+        u32::from_le_bytes(index) as usize
+    }
+
+    fn spill_hash(&self) -> u64 {
+        let mut hash = [0u8; 8];
+        hash.copy_from_slice(&self.head[8..16]);
+        u64::from_le_bytes(hash)
+    }
+}
+
+/// A key as a lookup compares it: hashed once, and when short, laid out as a
+/// slot's head.
+struct Probe<'k> {
+    key: &'k [u8],
+    hash: u64,
+    head: Option<[u8; INLINE_KEY_BYTES_MAX + 1]>,
+}
+
+impl<'k> Probe<'k> {
+    fn new(key: &'k [u8], hash: u64) -> Probe<'k> {
+        let head = (key.len() <= INLINE_KEY_BYTES_MAX).then(|| {
+            let mut head = [0u8; INLINE_KEY_BYTES_MAX + 1];
+            head[0] = key.len() as u8;
+            head[1..1 + key.len()].copy_from_slice(key);
+            head
+        });
+        Probe { key, hash, head }
+    }
+}
+
+/// A spilled entry: a key longer than a slot holds, or a state that does not
+/// pack.
+struct Spilled<S> {
     key: Box<[u8]>,
     state: S,
 }
 
-struct Stripe<S> {
-    table: HashTable<Entry<S>>,
+struct Stripe<S: StoredState> {
+    table: HashTable<Slot<S::Packed>>,
+    /// Spilled entries, by the index their slot holds; `None` is free.
+    spilled: Vec<Option<Spilled<S>>>,
+    /// Free indices of `spilled`.
+    spilled_free: Vec<u32>,
 }
 
-impl<S> Default for Stripe<S> {
+impl<S: StoredState> Default for Stripe<S> {
     fn default() -> Self {
         Stripe {
             table: HashTable::new(),
+            spilled: Vec::new(),
+            spilled_free: Vec::new(),
         }
+    }
+}
+
+/// Does `slot` hold `probe`'s key? Inline keys compare their 24-byte heads;
+/// a spilled entry compares its fingerprint first, then its key.
+fn slot_holds<S: StoredState>(
+    slot: &Slot<S::Packed>,
+    probe: &Probe<'_>,
+    spilled: &[Option<Spilled<S>>],
+) -> bool {
+    if let Some(head) = &probe.head {
+        if slot.head == *head {
+            return true;
+        }
+    }
+    slot.head[0] == SPILLED
+        && slot.spill_hash() == probe.hash
+        && spilled
+            .get(slot.spill_index())
+            .and_then(Option::as_ref)
+            .is_some_and(|entry| *entry.key == *probe.key)
+}
+
+impl<S: StoredState> Stripe<S> {
+    fn state_of(&self, slot: &Slot<S::Packed>) -> Option<S> {
+        if slot.head[0] == SPILLED {
+            self.spilled
+                .get(slot.spill_index())
+                .and_then(Option::as_ref)
+                .map(|entry| entry.state)
+        } else {
+            Some(S::unpack(slot.packed))
+        }
+    }
+
+    fn key_of<'a>(&'a self, slot: &'a Slot<S::Packed>) -> &'a [u8] {
+        match slot.inline_key() {
+            Some(key) => key,
+            None => self
+                .spilled
+                .get(slot.spill_index())
+                .and_then(Option::as_ref)
+                .map_or(&[], |entry| &entry.key),
+        }
+    }
+
+    /// Puts an entry into the spill slab; returns its index.
+    fn spill(
+        spilled: &mut Vec<Option<Spilled<S>>>,
+        free: &mut Vec<u32>,
+        key: &[u8],
+        state: S,
+    ) -> u32 {
+        let entry = Some(Spilled {
+            key: key.into(),
+            state,
+        });
+        match free.pop() {
+            Some(index) => {
+                spilled[index as usize] = entry;
+                index
+            }
+            None => {
+                spilled.push(entry);
+                // The cap on live keys is far below 2^32 entries per stripe.
+                u32::try_from(spilled.len() - 1).unwrap_or(u32::MAX)
+            }
+        }
+    }
+
+    fn unspill(spilled: &mut [Option<Spilled<S>>], free: &mut Vec<u32>, slot: &Slot<S::Packed>) {
+        if slot.head[0] == SPILLED {
+            let index = slot.spill_index();
+            if let Some(entry) = spilled.get_mut(index) {
+                *entry = None;
+                free.push(index as u32);
+            }
+        }
+    }
+
+    /// Removes every slot `doomed` selects (given its key and state); returns
+    /// how many were removed.
+    fn remove_slots(&mut self, mut doomed: impl FnMut(&[u8], Option<S>) -> bool) -> usize {
+        let before = self.table.len();
+        let Stripe {
+            table,
+            spilled,
+            spilled_free,
+        } = self;
+        table.retain(|slot| {
+            let (key, state): (&[u8], Option<S>) = match slot.inline_key() {
+                Some(key) => (key, Some(S::unpack(slot.packed))),
+                None => match spilled.get(slot.spill_index()).and_then(Option::as_ref) {
+                    Some(entry) => (&entry.key, Some(entry.state)),
+                    None => (&[], None),
+                },
+            };
+            if doomed(key, state) {
+                Self::unspill(spilled, spilled_free, slot);
+                false
+            } else {
+                true
+            }
+        });
+        if self.spilled_free.len() == self.spilled.len() && !self.spilled.is_empty() {
+            // Nothing spilled is left: give the slab's memory back.
+            self.spilled = Vec::new();
+            self.spilled_free = Vec::new();
+        }
+        before - self.table.len()
     }
 }
 
@@ -75,7 +357,11 @@ pub struct MemoryStoreConfig {
 impl Default for MemoryStoreConfig {
     fn default() -> Self {
         MemoryStoreConfig {
-            stripes: 256,
+            // Small tables: a table grows (rehashes) under its stripe's lock,
+            // and a small one does so in microseconds (256 stripes let inserts
+            // wait over a millisecond at 1 M counters; 4096 make the lock
+            // lines themselves miss the cache: docs/benchmarks.md).
+            stripes: 1024,
             live_keys_max: 10_000_000,
         }
     }
@@ -91,13 +377,16 @@ pub struct SweepStats {
 /// The rule counters' store.
 pub type MemoryStore = StripedStore<CounterState>;
 
-pub struct StripedStore<S> {
+pub struct StripedStore<S: StoredState> {
     stripes: Box<[CachePadded<Mutex<Stripe<S>>>]>,
     stripe_mask: usize,
     hasher: ahash::RandomState,
     live_keys: AtomicUsize,
     live_keys_max: usize,
     pub sweep_stats: SweepStats,
+    /// Tests: every key gets this hash (one stripe, one fingerprint).
+    #[cfg(test)]
+    colliding_hash: Option<u64>,
 }
 
 impl<S: StoredState> StripedStore<S> {
@@ -117,6 +406,23 @@ impl<S: StoredState> StripedStore<S> {
             live_keys: AtomicUsize::new(0),
             live_keys_max: config.live_keys_max,
             sweep_stats: SweepStats::default(),
+            #[cfg(test)]
+            colliding_hash: None,
+        }
+    }
+
+    fn hash_key(&self, key: &[u8]) -> u64 {
+        #[cfg(test)]
+        if let Some(hash) = self.colliding_hash {
+            return hash;
+        }
+        self.hasher.hash_one(key)
+    }
+
+    fn slot_hash(&self, slot: &Slot<S::Packed>) -> u64 {
+        match slot.inline_key() {
+            Some(key) => self.hash_key(key),
+            None => slot.spill_hash(),
         }
     }
 
@@ -139,13 +445,13 @@ impl<S: StoredState> StripedStore<S> {
 
     /// Reads a key's state (`None` when absent or expired).
     pub fn get(&self, key: &[u8], now_ms: u64) -> Option<S> {
-        let hash = self.hasher.hash_one(key);
+        let hash = self.hash_key(key);
+        let probe = Probe::new(key, hash);
         let stripe = self.stripe_of(hash).lock();
-        stripe
+        let slot = stripe
             .table
-            .find(hash, |e| *e.key == *key)
-            .map(|e| e.state)
-            .filter(|s| s.expires_at_ms() > now_ms)
+            .find(hash, |slot| slot_holds(slot, &probe, &stripe.spilled))?;
+        stripe.state_of(slot).filter(|s| s.expires_at_ms() > now_ms)
     }
 
     /// Runs `step` on a key's current state (`None` when absent or expired)
@@ -157,13 +463,39 @@ impl<S: StoredState> StripedStore<S> {
         now_ms: u64,
         step: impl FnOnce(Option<S>) -> (R, Option<S>),
     ) -> Result<R, StoreFull> {
-        let hash = self.hasher.hash_one(key);
-        let mut stripe = self.stripe_of(hash).lock();
-        if let Some(entry) = stripe.table.find_mut(hash, |e| *e.key == *key) {
-            let current = Some(entry.state).filter(|s| s.expires_at_ms() > now_ms);
+        let hash = self.hash_key(key);
+        let probe = Probe::new(key, hash);
+        let mut guard = self.stripe_of(hash).lock();
+        let stripe = &mut *guard;
+        let Stripe {
+            table,
+            spilled,
+            spilled_free,
+        } = stripe;
+        if let Some(slot) = table.find_mut(hash, |slot| slot_holds(slot, &probe, spilled)) {
+            if slot.head[0] == SPILLED {
+                let Some(entry) = spilled.get_mut(slot.spill_index()).and_then(Option::as_mut)
+                else {
+                    unreachable!("a spilled slot points at its entry");
+                };
+                let current = Some(entry.state).filter(|s| s.expires_at_ms() > now_ms);
+                let (result, new_state) = step(current);
+                if let Some(state) = new_state {
+                    entry.state = state;
+                }
+                return Ok(result);
+            }
+            let current = Some(S::unpack(slot.packed)).filter(|s| s.expires_at_ms() > now_ms);
             let (result, new_state) = step(current);
             if let Some(state) = new_state {
-                entry.state = state;
+                match state.pack() {
+                    Some(packed) => slot.packed = packed,
+                    None => {
+                        // The state outgrew its packed form: move it to the slab.
+                        let index = Stripe::spill(spilled, spilled_free, key, state);
+                        *slot = Slot::spilled(index, hash, S::Packed::default());
+                    }
+                }
             }
             return Ok(result);
         }
@@ -173,22 +505,24 @@ impl<S: StoredState> StripedStore<S> {
         };
         if !self.reserve_live_key() {
             // Full: reclaim what has expired in this stripe, then try once more.
-            self.sweep_locked(&mut stripe, now_ms);
+            self.sweep_locked(stripe, now_ms);
             if !self.reserve_live_key() {
                 return Err(StoreFull {
                     live_keys_max: self.live_keys_max,
                 });
             }
         }
-        let hasher = &self.hasher;
-        stripe.table.insert_unique(
-            hash,
-            Entry {
-                key: key.into(),
-                state,
-            },
-            |e| hasher.hash_one(&*e.key),
-        );
+        let slot = match (probe.head, state.pack()) {
+            (Some(head), Some(packed)) => Slot { head, packed },
+            _ => {
+                let index =
+                    Stripe::spill(&mut stripe.spilled, &mut stripe.spilled_free, key, state);
+                Slot::spilled(index, hash, S::Packed::default())
+            }
+        };
+        stripe
+            .table
+            .insert_unique(hash, slot, |slot| self.slot_hash(slot));
         Ok(result)
     }
 
@@ -201,9 +535,8 @@ impl<S: StoredState> StripedStore<S> {
     }
 
     fn sweep_locked(&self, stripe: &mut Stripe<S>, now_ms: u64) -> usize {
-        let before = stripe.table.len();
-        stripe.table.retain(|e| e.state.expires_at_ms() > now_ms);
-        let reclaimed = before - stripe.table.len();
+        let reclaimed =
+            stripe.remove_slots(|_, state| state.is_none_or(|s| s.expires_at_ms() <= now_ms));
         if reclaimed > 0 {
             self.live_keys.fetch_sub(reclaimed, Ordering::AcqRel);
             self.sweep_stats
@@ -213,9 +546,7 @@ impl<S: StoredState> StripedStore<S> {
         // Give memory back after a burst of keys, but never churn small tables.
         let len = stripe.table.len();
         if stripe.table.capacity() > 64 && stripe.table.capacity() > len * 4 {
-            stripe
-                .table
-                .shrink_to(len * 2, |e| self.hasher.hash_one(&*e.key));
+            stripe.table.shrink_to(len * 2, |slot| self.slot_hash(slot));
         }
         reclaimed
     }
@@ -248,9 +579,7 @@ impl<S: StoredState> StripedStore<S> {
         let mut removed = 0;
         for stripe in self.stripes.iter() {
             let mut stripe = stripe.lock();
-            let before = stripe.table.len();
-            stripe.table.retain(|e| !doomed(&e.key));
-            let gone = before - stripe.table.len();
+            let gone = stripe.remove_slots(|key, _| doomed(key));
             if gone > 0 {
                 self.live_keys.fetch_sub(gone, Ordering::AcqRel);
                 removed += gone;
@@ -264,12 +593,22 @@ impl<S: StoredState> StripedStore<S> {
     pub fn for_each_live(&self, now_ms: u64, mut visit: impl FnMut(&[u8], S)) {
         for stripe in self.stripes.iter() {
             let stripe = stripe.lock();
-            for entry in stripe.table.iter() {
-                if entry.state.expires_at_ms() > now_ms {
-                    visit(&entry.key, entry.state);
+            Self::visit_stripe(&stripe, now_ms, &mut visit);
+        }
+    }
+
+    /// Visits the live entries of one locked stripe; returns how many.
+    fn visit_stripe(stripe: &Stripe<S>, now_ms: u64, visit: &mut impl FnMut(&[u8], S)) -> usize {
+        let mut visited = 0;
+        for slot in stripe.table.iter() {
+            if let Some(state) = stripe.state_of(slot) {
+                if state.expires_at_ms() > now_ms {
+                    visit(stripe.key_of(slot), state);
+                    visited += 1;
                 }
             }
         }
+        visited
     }
 
     /// Visits the live counters of whole stripes starting at `first`, until at
@@ -290,12 +629,7 @@ impl<S: StoredState> StripedStore<S> {
         let mut visited_stripes = 0;
         while visited_stripes < self.stripes.len() {
             let stripe = self.stripes[index].lock();
-            for entry in stripe.table.iter() {
-                if entry.state.expires_at_ms() > now_ms {
-                    visit(&entry.key, entry.state);
-                    visited_entries += 1;
-                }
-            }
+            visited_entries += Self::visit_stripe(&stripe, now_ms, &mut visit);
             drop(stripe);
             index = (index + 1) & self.stripe_mask;
             visited_stripes += 1;
@@ -432,6 +766,225 @@ mod tests {
         let mut expected: Vec<Vec<u8>> = (0..100u32).map(|i| i.to_le_bytes().to_vec()).collect();
         expected.sort();
         assert_eq!(seen, expected, "every live counter once, nothing expired");
+    }
+
+    fn colliding_store(live_keys_max: usize) -> MemoryStore {
+        let mut store = MemoryStore::new(MemoryStoreConfig {
+            stripes: 4,
+            live_keys_max,
+        });
+        store.colliding_hash = Some(0x5a5a_5a5a_5a5a_5a5a);
+        store
+    }
+
+    #[test]
+    fn slots_are_32_bytes_and_aligned() {
+        assert_eq!(std::mem::size_of::<Slot<PackedCounter>>(), 32);
+        assert_eq!(std::mem::align_of::<Slot<PackedCounter>>(), 32);
+    }
+
+    #[test]
+    fn long_keys_and_keys_colliding_on_the_fingerprint_are_kept_apart() {
+        // Every key has the same hash: same stripe, same tag, same fingerprint.
+        let store = colliding_store(1000);
+        let long_a = [b'a'; INLINE_KEY_BYTES_MAX + 1];
+        let mut long_b = long_a;
+        long_b[INLINE_KEY_BYTES_MAX] = b'b';
+        let inline_max = [b'a'; INLINE_KEY_BYTES_MAX];
+        let keys: [&[u8]; 7] = [
+            b"",
+            b"a",
+            b"a\0",
+            &inline_max,
+            &long_a,
+            &long_b,
+            &[b'x'; 200],
+        ];
+        for (i, key) in keys.iter().enumerate() {
+            for _ in 0..=i {
+                hit_many(&store, key, 0);
+            }
+        }
+        assert_eq!(store.live_keys(), keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(
+                store.get(key, 0),
+                Some(CounterState::Window {
+                    end_ms: 1000,
+                    used: i as u64 + 1
+                }),
+                "key {i}"
+            );
+        }
+        assert!(store.get(b"b", 0).is_none());
+        assert!(store.get(&[b'a'; 30], 0).is_none());
+        let mut seen: Vec<Vec<u8>> = Vec::new();
+        store.for_each_live(0, |key, _| seen.push(key.to_vec()));
+        seen.sort();
+        let mut expected: Vec<Vec<u8>> = keys.iter().map(|k| k.to_vec()).collect();
+        expected.sort();
+        assert_eq!(seen, expected);
+        assert_eq!(
+            store.remove_where(|key| key.len() > INLINE_KEY_BYTES_MAX),
+            3
+        );
+        assert!(store.get(&long_a, 0).is_none());
+        assert!(store.get(&inline_max, 0).is_some());
+        assert_eq!(store.live_keys(), 4);
+    }
+
+    /// A fixed-window hit with a large limit, so counts can outgrow the
+    /// packed form.
+    fn hit_many(store: &MemoryStore, key: &[u8], now_ms: u64) {
+        let quota = WindowQuota::new(u64::MAX / 2, 1).unwrap();
+        store
+            .update(key, now_ms, |s| fixed_window_hit(s, quota, now_ms))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_count_that_outgrows_its_packed_form_spills_and_keeps_counting() {
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let big = CounterState::Window {
+            end_ms: 1000,
+            used: (1 << PACK_COUNT_BITS) - 1,
+        };
+        store.merge(b"k", big, 0).unwrap();
+        assert_eq!(store.get(b"k", 0), Some(big));
+        hit_many(&store, b"k", 1);
+        assert_eq!(
+            store.get(b"k", 1),
+            Some(CounterState::Window {
+                end_ms: 1000,
+                used: 1 << PACK_COUNT_BITS
+            })
+        );
+        hit_many(&store, b"k", 2);
+        assert_eq!(store.live_keys(), 1);
+        assert_eq!(store.sweep_step(0, usize::MAX, 1000), 0);
+        assert_eq!(store.live_keys(), 0);
+        assert!(store.get(b"k", 0).is_none());
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::HashMap;
+
+        fn counter_state() -> impl Strategy<Value = CounterState> {
+            let n = prop_oneof![0u64..4, 0u64..(1 << 21), any::<u64>()];
+            let ms = prop_oneof![0u64..3000, 0u64..(1 << 43), any::<u64>()];
+            prop_oneof![
+                (ms.clone(), n.clone())
+                    .prop_map(|(end_ms, used)| CounterState::Window { end_ms, used }),
+                (ms.clone(), n.clone()).prop_map(|(ms, r)| CounterState::TokenBucket {
+                    full_at: FullAt::from_parts(ms, r)
+                }),
+                (ms, n.clone(), n).prop_map(|(expires_at_ms, current, previous)| {
+                    CounterState::SlidingWindow {
+                        expires_at_ms,
+                        current,
+                        previous,
+                    }
+                }),
+            ]
+        }
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Merge(Vec<u8>, CounterState),
+            Hit(Vec<u8>),
+            Get(Vec<u8>),
+            Sweep,
+            RemoveLong,
+            Tick,
+        }
+
+        fn key() -> impl Strategy<Value = Vec<u8>> {
+            // Few distinct keys of every length around the inline limit.
+            (0usize..6, prop_oneof![0usize..3, 20usize..27, 40usize..45])
+                .prop_map(|(c, len)| vec![b'a' + c as u8; len])
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                2 => (key(), counter_state()).prop_map(|(k, s)| Op::Merge(k, s)),
+                4 => key().prop_map(Op::Hit),
+                2 => key().prop_map(Op::Get),
+                1 => Just(Op::Sweep),
+                1 => Just(Op::RemoveLong),
+                1 => Just(Op::Tick),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn packing_round_trips_or_declines(state in counter_state()) {
+                if let Some(packed) = state.pack() {
+                    prop_assert_eq!(CounterState::unpack(packed), state);
+                }
+            }
+
+            /// The store agrees with a plain map, with real and with
+            /// colliding hashes, whatever the keys' lengths and states.
+            #[test]
+            fn store_agrees_with_a_map(ops in proptest::collection::vec(op(), 1..120), collide in any::<bool>()) {
+                let store = if collide {
+                    colliding_store(usize::MAX)
+                } else {
+                    MemoryStore::new(MemoryStoreConfig { stripes: 2, live_keys_max: usize::MAX })
+                };
+                let mut model: HashMap<Vec<u8>, CounterState> = HashMap::new();
+                let mut now = 0u64;
+                let quota = WindowQuota::new(1 << 21, 2).unwrap();
+                for op in ops {
+                    let live = |m: &HashMap<Vec<u8>, CounterState>, k: &[u8], now: u64| {
+                        m.get(k).copied().filter(|s| s.expires_at_ms() > now)
+                    };
+                    match op {
+                        Op::Merge(k, s) => {
+                            let merged = match live(&model, &k, now) {
+                                Some(current) => current.merge(s),
+                                None => s,
+                            };
+                            if merged.expires_at_ms() > now {
+                                model.insert(k.clone(), merged);
+                            }
+                            store.merge(&k, s, now).unwrap();
+                        }
+                        Op::Hit(k) => {
+                            let (expected, new) = fixed_window_hit(live(&model, &k, now), quota, now);
+                            if let Some(new) = new {
+                                model.insert(k.clone(), new);
+                            }
+                            let got = store.update(&k, now, |s| fixed_window_hit(s, quota, now)).unwrap();
+                            prop_assert_eq!(got, expected);
+                        }
+                        Op::Get(k) => prop_assert_eq!(store.get(&k, now), live(&model, &k, now)),
+                        Op::Sweep => {
+                            store.sweep_step(0, usize::MAX, now);
+                            model.retain(|_, s| s.expires_at_ms() > now);
+                        }
+                        Op::RemoveLong => {
+                            let before = model.len();
+                            model.retain(|k, _| k.len() <= INLINE_KEY_BYTES_MAX);
+                            prop_assert_eq!(store.remove_where(|k| k.len() > INLINE_KEY_BYTES_MAX), before - model.len());
+                        }
+                        Op::Tick => now += 700,
+                    }
+                    prop_assert_eq!(store.live_keys(), model.len());
+                }
+                let mut seen = Vec::new();
+                store.for_each_live(now, |k, s| seen.push((k.to_vec(), s)));
+                seen.sort_by(|a, b| a.0.cmp(&b.0));
+                let mut expected: Vec<(Vec<u8>, CounterState)> = model
+                    .into_iter()
+                    .filter(|(_, s)| s.expires_at_ms() > now)
+                    .collect();
+                expected.sort_by(|a, b| a.0.cmp(&b.0));
+                prop_assert_eq!(seen, expected);
+            }
+        }
     }
 
     #[test]

@@ -108,6 +108,33 @@ fn cluster_status_shows_nodes_shards_leaders_and_lag() {
     for shard in 0..8 {
         assert!(topology.leader_client(shard).is_some());
     }
+    // And every node's data-path counters: the 50 hits sent to node 2 were
+    // decided there or forwarded (in batches), and every admitted one was
+    // replicated in a round (strict: committed).
+    let stats: Vec<_> = topology
+        .nodes
+        .iter()
+        .map(|n| n.stats.clone().expect("every node reports its counters"))
+        .collect();
+    let forwarded = stats[1].forwarded_ops;
+    let decided_elsewhere: u64 = stats.iter().map(|s| s.forwards_decided).sum();
+    assert_eq!(decided_elsewhere, forwarded, "{stats:?}");
+    assert!(
+        forwarded > 0 && stats[1].forward_batches <= forwarded,
+        "{stats:?}"
+    );
+    let replicated: u64 = stats.iter().map(|s| s.states_replicated).sum();
+    assert!(replicated >= 50, "{stats:?}");
+    let committed: u64 = stats.iter().map(|s| s.sections_committed).sum();
+    let sections: u64 = stats.iter().map(|s| s.round_sections).sum();
+    assert_eq!(committed, sections, "{stats:?}");
+    let text = std::process::Command::new(TOLLGATE)
+        .args(["cluster", "status", "--node"])
+        .arg(cluster.client(1).to_string())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("DATA PATH (since start)"), "{text}");
 }
 
 #[test]

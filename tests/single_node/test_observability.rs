@@ -76,6 +76,7 @@ fn observed(server: &TestServer) -> Observed {
         store: Some(Arc::clone(&server.store)),
         buckets: None,
         readiness: Arc::new(Readiness::new(Arc::clone(&server.engine.metrics))),
+        cluster: None,
     }
 }
 
