@@ -3,9 +3,12 @@
 //! JSON on stderr, `DEBUG=divvy` adds the per-rule lines. An error line must
 //! mean an operator should act, so openraft's errors about failing to reach
 //! a peer (they wrap the peer link's `TransportError`: a peer down,
-//! restarting, or not yet holding a shard while the cluster starts) are
-//! dropped: the link logs each change of a peer's reachability once
-//! instead. openraft's other warnings and errors pass, at most one per
+//! restarting, or not yet holding a shard while the cluster starts) and
+//! about a call to a peer that timed out (a peer cut off, silent or slow for
+//! a moment; openraft tries again, and elections follow the nodes'
+//! liveness) are dropped: the link logs each change of a peer's
+//! reachability once instead, a peer that goes silent on an open connection
+//! included. openraft's other warnings and errors pass, at most one per
 //! call site every [`OPENRAFT_REPEAT_INTERVAL`]. A `RUST_LOG` that names
 //! openraft gets all of openraft's lines, unfiltered.
 
@@ -27,6 +30,9 @@ pub const OPENRAFT_REPEAT_INTERVAL: Duration = Duration::from_secs(10);
 /// What openraft's messages about our peer links contain (its errors
 /// name the source error's type).
 const TRANSPORT_ERROR: &str = "links::TransportError";
+/// What openraft's messages about a call to a peer that timed out contain
+/// (`RPCError::Timeout`: `timeout after 200ms when Vote 1->3`).
+const CALL_TIMEOUT: &str = "timeout after ";
 
 /// divvy's `DEBUG=divvy` (a comma-separated list of names): log each
 /// evaluated rule.
@@ -116,8 +122,8 @@ impl<S: Subscriber> Layer<S> for OpenraftNoise {
         }
         let mut fields = FieldText::default();
         event.record(&mut fields);
-        !fields.0.contains(TRANSPORT_ERROR)
-            && self.repeats.allows(metadata.callsite(), Instant::now())
+        let peer_transient = fields.0.contains(TRANSPORT_ERROR) || fields.0.contains(CALL_TIMEOUT);
+        !peer_transient && self.repeats.allows(metadata.callsite(), Instant::now())
     }
 }
 
@@ -147,7 +153,13 @@ mod tests {
             for _ in 0..3 {
                 tracing::error!(target: "openraft::replication", err = "Unreachable node: tollgate::cluster::links::TransportError: node 2 unreachable", "RPCError");
             }
-            assert_eq!(seen.load(Ordering::Relaxed), 0, "transport errors dropped");
+            tracing::error!(target: "openraft::replication", err = "timeout after 200ms when AppendEntries 2->3", "RPCError");
+            tracing::error!(target: "openraft::core::raft_core", error = "timeout after 201ms when Vote 1->3", target = "3", "timeout");
+            assert_eq!(
+                seen.load(Ordering::Relaxed),
+                0,
+                "transport errors and call timeouts dropped"
+            );
             for _ in 0..3 {
                 tracing::error!(target: "openraft::core", "a storage error");
             }
