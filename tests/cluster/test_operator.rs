@@ -4,8 +4,8 @@
 //! refuses as backend errors, and is ready again soon after the links heal;
 //! its log says once which peers were unreachable and holds no error.
 //! The membership commands accept a client address for `--node` (they ask
-//! it for its peer address), and `cluster status` pointed at a peer port
-//! says what it takes.
+//! it for its peer address), `cluster status` pointed at a peer port says
+//! what it takes, and a joining node's banner says it is not a member yet.
 
 use crate::cluster_support::{converse, http_get, metric, Fault, TestCluster, TOLLGATE};
 use std::process::Command;
@@ -111,7 +111,7 @@ fn a_node_cut_off_from_its_peers_is_not_ready_and_recovers() {
 
 #[test]
 fn membership_commands_take_a_client_address_and_status_names_its_port() {
-    let cluster = TestCluster::start(3, 4, &[]);
+    let mut cluster = TestCluster::start(3, 4, &[]);
     let client = cluster.client(2).to_string();
     let output = Command::new(TOLLGATE)
         .args(["cluster", "remove-node", "9", "--node", &client])
@@ -144,5 +144,36 @@ fn membership_commands_take_a_client_address_and_status_names_its_port() {
     assert_eq!(
         String::from_utf8_lossy(&output.stderr).trim_end(),
         format!("tollgate: {peer} closed the connection without answering TOPOLOGY: a peer port? `cluster status --node` takes a node's client address (its `client =` line)")
+    );
+
+    // A member's banner names the members; a joining node's says it is not
+    // one yet (it read `cluster node 4 of 3`).
+    let banner = |cluster: &TestCluster, id: u64| -> String {
+        let start = Instant::now();
+        loop {
+            let log = cluster.log(id);
+            if let Some(line) = log
+                .lines()
+                .find(|l| l.starts_with("tollgate: listening on "))
+            {
+                return line.to_string();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "node {id} did not announce itself:\n{log}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let member = banner(&cluster, 1);
+    assert!(
+        member.contains(", backend: cluster node 1 (members 1,2,3), 4 shards x 3 replicas ("),
+        "{member}"
+    );
+    let newcomer = cluster.start_joining_node();
+    let joining = banner(&cluster, newcomer);
+    assert!(
+        joining.contains(", backend: cluster node 4 (joining, not a member yet: members 1,2,3), 4 shards x 3 replicas (0 here), "),
+        "{joining}"
     );
 }

@@ -274,7 +274,7 @@ impl TestCluster {
             .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&args)
             .arg(&rules)
-            .stdout(Stdio::null())
+            .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("spawn tollgate");
@@ -315,7 +315,7 @@ impl TestCluster {
             .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&self.args)
             .arg(&self.rules_path)
-            .stdout(Stdio::null())
+            .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("spawn tollgate");
@@ -473,6 +473,8 @@ impl TestCluster {
         }
     }
 
+    /// What node `id` (its latest start) wrote: its log on stderr and its
+    /// `tollgate: listening on …` lines on stdout.
     pub fn log(&self, id: u64) -> String {
         let restarts = self.nodes[(id - 1) as usize].restarts;
         std::fs::read_to_string(self.dir.path().join(format!("node{id}-{restarts}.log")))
