@@ -75,9 +75,18 @@ pub fn write_secret_file(path: &Path, secrets: &[&str]) {
 
 /// Ports that were free a moment ago (bound to port 0, then released).
 pub fn free_ports(count: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..count)
+    ports_of(&reserve_ports(count))
+}
+
+/// `count` free ports, held until the listeners are dropped: what else
+/// binds port 0 meanwhile (a proxy) cannot be given one of them.
+fn reserve_ports(count: usize) -> Vec<TcpListener> {
+    (0..count)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind port 0"))
-        .collect();
+        .collect()
+}
+
+fn ports_of(listeners: &[TcpListener]) -> Vec<u16> {
     listeners
         .iter()
         .map(|l| l.local_addr().unwrap().port())
@@ -145,16 +154,11 @@ impl TestCluster {
     /// `/metrics`, `/healthz` and `/readyz` on its own port
     /// ([`TestCluster::metrics_addr`]).
     pub fn start_observed(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        let ports = free_ports(count);
-        let metrics = (1..=count as u64)
-            .zip(ports)
-            .map(|(id, port)| (id, SocketAddr::from(([127, 0, 0, 1], port))))
-            .collect();
-        Self::start_full(count, shards, args, proxied, metrics)
+        Self::start_full(count, shards, args, proxied, true)
     }
 
     fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, BTreeMap::new())
+        Self::start_full(count, shards, args, proxied, false)
     }
 
     fn start_full(
@@ -162,10 +166,22 @@ impl TestCluster {
         shards: u32,
         args: &[&str],
         proxied: bool,
-        metrics: BTreeMap<u64, SocketAddr>,
+        observed: bool,
     ) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
-        let ports = free_ports(count * 2);
+        // Every port the nodes will bind (clients, peers, metrics) stays
+        // taken until the proxies are bound, which could be given one of
+        // them otherwise.
+        let reserved = reserve_ports(count * if observed { 3 } else { 2 });
+        let ports = ports_of(&reserved);
+        let metrics: BTreeMap<u64, SocketAddr> = if observed {
+            (1..=count as u64)
+                .zip(&ports[count * 2..])
+                .map(|(id, &port)| (id, SocketAddr::from(([127, 0, 0, 1], port))))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
         let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n");
         let mut nodes = Vec::new();
         for i in 0..count {
@@ -195,6 +211,7 @@ impl TestCluster {
                 }
             }
         }
+        drop(reserved);
         let secret_path = dir.path().join("cluster.secret");
         write_secret_file(&secret_path, &[SECRET]);
         let mut cluster = TestCluster {
