@@ -472,6 +472,14 @@ impl Engine {
         synchronous: bool,
     ) -> Reply {
         let mut last: Option<Result<Decision, &BackendError>> = None;
+        // A cluster shard that cannot decide is a backend failure, counted
+        // here once per request (the Redis backend counts its own).
+        if decisions
+            .iter()
+            .any(|d| matches!(d, Err(BackendError::ShardUnavailable(_))))
+        {
+            self.metrics.backend_error();
+        }
         for step in plan {
             let (position, result) = match *step {
                 Step::Fixed(position, decision) => (position, Ok(decision)),

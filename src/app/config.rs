@@ -52,6 +52,9 @@ impl Default for SweepConfig {
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     pub rules: RuleSource,
+    /// Refuse a rule file holding keys divvy would have ignored (at start
+    /// and on reload) instead of logging a warning per key.
+    pub strict_rules: bool,
     /// Where the line protocol listens; `None`: this node's client address in
     /// cluster mode, else `0.0.0.0:8321`.
     pub listen: Option<SocketAddr>,
@@ -82,6 +85,7 @@ impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
             rules: RuleSource::Embedded,
+            strict_rules: false,
             listen: None,
             threads: None,
             limits: Limits::default(),

@@ -19,12 +19,12 @@ use crate::engine::{CommandExtension, Engine};
 use crate::metrics::Metrics;
 use crate::observability::health::Readiness;
 use crate::observability::{Observability, ObservabilityError, Observed};
-use crate::rules::{ConfigError, CurrentRules, RuleSet};
+use crate::rules::{diagnostics, ConfigError, CurrentRules, RuleSet};
 use crate::server::{Limits, Server, ServerConfig, Serving};
 use crate::store::redis::{BackendKind, Persistence, RedisBackend, RedisSetupError};
 use crate::store::{Backend, MemoryBackend, MemoryStore, MemoryStoreConfig};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,12 +38,8 @@ pub enum AppError {
     PersistenceInCluster,
     #[error("--backend redis cannot be used with --cluster: the cluster keeps its counters in memory on each node")]
     RedisBackendInCluster,
-    #[error("{}", path.display())]
-    Rules {
-        path: PathBuf,
-        #[source]
-        source: ConfigError,
-    },
+    #[error("{}", error.in_file(path))]
+    Rules { path: PathBuf, error: ConfigError },
     #[error("cannot start the {what} thread")]
     Sweeper {
         what: &'static str,
@@ -92,15 +88,28 @@ fn check_modes(config: &ServeConfig) -> Result<(), AppError> {
 }
 
 /// The rules to serve, and the file to read again on reload (if any).
-fn load_rules(source: RuleSource) -> Result<(RuleSet, Option<PathBuf>), AppError> {
+fn load_rules(source: RuleSource, strict: bool) -> Result<(RuleSet, Option<PathBuf>), AppError> {
     match source {
         RuleSource::Embedded => Ok((RuleSet::embedded_default(), None)),
         RuleSource::Loaded(rules) => Ok((rules, None)),
-        RuleSource::File(path) => match RuleSet::load_file(&path) {
+        RuleSource::File(path) => match load_rule_file(&path, strict) {
             Ok(rules) => Ok((rules, Some(path))),
-            Err(source) => Err(AppError::Rules { path, source }),
+            Err(error) => Err(AppError::Rules { path, error }),
         },
     }
+}
+
+/// Reads a rule file: logs a warning per key divvy would have ignored, or,
+/// with `strict` (`--strict-rules`), refuses the file for them.
+fn load_rule_file(path: &Path, strict: bool) -> Result<RuleSet, ConfigError> {
+    let loaded = diagnostics::load_file(path)?;
+    if strict {
+        return loaded.strict();
+    }
+    for warning in &loaded.warnings {
+        tracing::warn!(path = %path.display(), "rule file: {warning}");
+    }
+    Ok(loaded.rules)
 }
 
 /// The counter store and droplet's buckets, each with its sweeper running.
@@ -224,6 +233,8 @@ struct Parts {
     buckets: Arc<Buckets>,
     /// The rule file, when there is one to reload.
     rule_file: Option<PathBuf>,
+    /// Refuse rule files with unknown keys (`--strict-rules`).
+    strict_rules: bool,
     threads: usize,
     backend_name: String,
     persistence: Option<Persistence>,
@@ -243,7 +254,7 @@ impl App {
     /// persisted counters and joins the cluster before returning.
     pub fn build_with(config: ServeConfig, hooks: Hooks) -> Result<App, AppError> {
         check_modes(&config)?;
-        let (rules, rule_file) = load_rules(config.rules)?;
+        let (rules, rule_file) = load_rules(config.rules, config.strict_rules)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // A cluster node shares the cores with its Raft thread(s): half each.
         let default_threads = if config.cluster.cluster_file.is_some() {
@@ -318,7 +329,7 @@ impl App {
         };
         let mut readiness = Readiness::new(Arc::clone(&engine.metrics));
         if let Some(cluster) = &cluster {
-            readiness = readiness.with_check(Arc::new(cluster.readiness_check()));
+            readiness = readiness.with_backend_check(Arc::new(cluster.readiness_check()));
         }
         let observability = Observability::start(
             &config.observability,
@@ -352,6 +363,7 @@ impl App {
                 store,
                 buckets,
                 rule_file,
+                strict_rules: config.strict_rules,
                 threads,
                 backend_name,
                 persistence,
@@ -404,18 +416,22 @@ impl App {
 
     /// Serves until `control` says stop, reloading the rules whenever it says
     /// so, then drains and stops every part. `serving` is called once, when
-    /// every endpoint serves (the binary announces itself there).
+    /// every endpoint serves (the binary announces itself there); `control`
+    /// may also act on the running server itself (the binary answers its
+    /// control socket's reload requests there).
     pub fn run_until(
         self,
         serving: impl FnOnce(&RunningApp),
-        mut control: impl FnMut() -> Control,
+        mut control: impl FnMut(&RunningApp) -> Control,
     ) -> Result<(), AppError> {
         let running = self.spawn()?;
         serving(&running);
         loop {
-            match control() {
+            match control(&running) {
                 Control::Stop => break,
-                Control::ReloadRules => running.reload_rules(),
+                Control::ReloadRules => {
+                    let _ = running.reload_rules();
+                }
             }
         }
         tracing::info!("shutting down: draining connections");
@@ -482,29 +498,31 @@ impl RunningApp {
     /// Re-reads the rule file: a valid file replaces the rules without
     /// dropping connections (counters of unchanged rules keep counting); an
     /// invalid one, or one the backend cannot serve, is refused with the
-    /// error logged, and the current rules stay.
-    pub fn reload_rules(&self) {
+    /// error logged, and the current rules stay. Returns what happened, for
+    /// whoever asked (`tollgate reload`).
+    pub fn reload_rules(&self) -> Result<String, String> {
         let Some(path) = &self.parts.rule_file else {
-            tracing::warn!(
-                "SIGHUP: serving the embedded default rules, there is no rule file to reload"
-            );
-            return;
+            let why = "serving the embedded default rules: there is no rule file to reload";
+            tracing::warn!("reload: {why}");
+            return Err(why.to_owned());
         };
         let engine = &self.parts.engine;
-        let checked = RuleSet::load_file(path)
-            .map_err(|error| error.to_string())
+        let checked = load_rule_file(path, self.parts.strict_rules)
+            .map_err(|error| error.in_file(path))
             .and_then(|rules| match engine.backend().check_rules(&rules) {
                 Ok(()) => Ok(rules),
-                Err(error) => Err(error.to_string()),
+                Err(error) => Err(format!("{}: {error}", path.display())),
             });
         match checked {
             Ok(rules) => {
                 let count = rules.rules().len();
                 engine.replace_rules(rules);
                 tracing::info!(path = %path.display(), rules = count, "rules reloaded");
+                Ok(format!("reloaded {count} rules from {}", path.display()))
             }
             Err(error) => {
                 tracing::error!(path = %path.display(), %error, "reload refused, keeping the current rules");
+                Err(error)
             }
         }
     }

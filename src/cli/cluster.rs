@@ -123,6 +123,31 @@ pub struct ClusterArgs {
     pub cluster_secret: Option<String>,
 }
 
+/// No secret file and no (non-empty) secret value.
+fn no_secret(file: Option<&std::path::Path>, value: Option<&str>) -> bool {
+    file.is_none() && value.is_none_or(|v| v.trim().is_empty())
+}
+
+/// Cluster mode without a secret: where the secret comes from, made once
+/// for a new cluster, copied from a member when `joining` one (a new secret
+/// would fail authentication).
+pub fn missing_secret(joining: bool) -> anyhow::Error {
+    if joining {
+        return anyhow::anyhow!(
+            "a node joining a running cluster needs that cluster's secret: copy the secret \
+             file from a member and give --cluster-secret-file PATH (or --cluster-secret / \
+             TOLLGATE_CLUSTER_SECRET); a newly made secret would fail authentication"
+        );
+    }
+    anyhow::anyhow!(
+        "cluster mode needs the cluster's shared secret, the same on every node: give \
+         --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET). For a \
+         new cluster make one with `head -c 32 /dev/urandom | base64 > \
+         /etc/tollgate/cluster.secret && chmod 600 /etc/tollgate/cluster.secret` and copy \
+         it to every node"
+    )
+}
+
 impl ClusterArgs {
     pub fn into_config(self) -> ClusterConfig {
         ClusterConfig {
@@ -151,7 +176,8 @@ impl ClusterArgs {
 /// Flags of `tollgate cluster status`.
 #[derive(Debug, Clone, Args)]
 pub struct StatusArgs {
-    /// Any node's client address.
+    /// Any node's client address (HOST:PORT of a `client =` line; not its
+    /// peer port).
     #[arg(long, default_value = "127.0.0.1:8321")]
     pub node: String,
     /// Print the JSON topology instead of tables.
@@ -172,7 +198,8 @@ pub struct StatusArgs {
 /// Flags shared by the membership commands.
 #[derive(Debug, Clone, Args)]
 pub struct AdminTarget {
-    /// Any member's peer address (HOST:PORT of a `peer =` line).
+    /// Any member's peer address (HOST:PORT of a `peer =` line); a client
+    /// address works too (its node's peer address is asked for).
     #[arg(long, default_value = "127.0.0.1:9321")]
     pub node: String,
     /// How long to wait for the answer, in milliseconds.
@@ -253,8 +280,20 @@ pub fn remove_node_command(args: &RemoveNodeArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Sends a membership request and prints the answer: exit 1 when the node
-/// refused it.
+/// refused it. `--node` may name a client port: when the peer handshake
+/// fails there and the address answers `TOPOLOGY`, the request goes to
+/// that node's peer port instead.
 fn run_admin(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<ExitCode> {
+    if no_secret(
+        target.cluster_secret_file.as_deref(),
+        target.cluster_secret.as_deref(),
+    ) {
+        anyhow::bail!(
+            "membership requests must prove the cluster's secret: give the secret file the \
+             nodes were started with, --cluster-secret-file PATH (or --cluster-secret / \
+             TOLLGATE_CLUSTER_SECRET)"
+        );
+    }
     let secrets = PeerSecrets::from_flags(
         target.cluster_secret_file.as_deref(),
         target.cluster_secret.as_deref(),
@@ -263,17 +302,32 @@ fn run_admin(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<Exit
         .enable_all()
         .build()?;
     let timeout = Duration::from_millis(target.timeout_ms.max(1));
-    let answer = runtime.block_on(async {
-        tokio::time::timeout(timeout, admin::send(&target.node, &secrets, request))
-            .await
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "{} did not answer within {} ms",
-                    target.node,
-                    timeout.as_millis()
-                )
-            })?
-    })?;
+    let send = |node: &str| {
+        runtime.block_on(async {
+            tokio::time::timeout(timeout, admin::send(node, &secrets, request.clone()))
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!("{node} did not answer within {} ms", timeout.as_millis())
+                })?
+        })
+    };
+    let answer = match send(&target.node) {
+        Ok(answer) => answer,
+        Err(error) => match probe_client_port(&target.node) {
+            ClientPort::OfNode { id, peer } => {
+                eprintln!(
+                    "tollgate: {} is node {id}'s client port; sending the request to its peer port {peer}",
+                    target.node
+                );
+                send(&peer)?
+            }
+            ClientPort::NotClustered => anyhow::bail!(
+                "{} is the client port of a Tollgate that does not run in cluster mode; --node takes a cluster member's peer address (its `peer =` line)",
+                target.node
+            ),
+            ClientPort::No => return Err(error),
+        },
+    };
     match answer {
         Ok(done) => {
             println!("{done}");
@@ -284,4 +338,52 @@ fn run_admin(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<Exit
             Ok(ExitCode::FAILURE)
         }
     }
+}
+
+/// What answers at an address that refused the peer handshake.
+enum ClientPort {
+    /// A cluster node's client port: that node's id and peer address.
+    OfNode { id: NodeId, peer: String },
+    /// A Tollgate client port outside cluster mode (`TOPOLOGY` is unknown).
+    NotClustered,
+    /// Something else, or nothing.
+    No,
+}
+
+/// Asks `addr` for `TOPOLOGY`, as a client would.
+fn probe_client_port(addr: &str) -> ClientPort {
+    use std::io::{BufRead, BufReader, Write};
+    let timeout = Duration::from_secs(2);
+    let Some(socket) = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+    else {
+        return ClientPort::No;
+    };
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&socket, timeout) else {
+        return ClientPort::No;
+    };
+    let _ = stream.set_read_timeout(Some(timeout));
+    if stream.write_all(b"TOPOLOGY\n").is_err() {
+        return ClientPort::No;
+    }
+    let mut line = String::new();
+    let mut reader = BufReader::new(std::io::Read::take(stream, 1 << 20));
+    if reader.read_line(&mut line).is_err() {
+        return ClientPort::No;
+    }
+    if line.starts_with("ERR ") {
+        return ClientPort::NotClustered;
+    }
+    let Ok(topology) = serde_json::from_str::<crate::cluster::Topology>(line.trim_end()) else {
+        return ClientPort::No;
+    };
+    topology
+        .nodes
+        .iter()
+        .find(|node| node.id == topology.answered_by)
+        .map_or(ClientPort::No, |node| ClientPort::OfNode {
+            id: node.id,
+            peer: node.peer.clone(),
+        })
 }

@@ -8,13 +8,16 @@
 //! [`ServeConfig`]: crate::app::ServeConfig
 
 mod cluster;
+mod control;
+mod errors;
+mod logging;
 mod observability;
 mod serve;
 mod values;
 
 pub use serve::ServeArgs;
 
-use crate::rules::{Quota, RuleSet};
+use crate::rules::{diagnostics, ConfigError, Quota};
 use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -33,13 +36,21 @@ enum Command {
     /// Serve the divvy line protocol. Without CONFIG, runs on the embedded
     /// default (the example configuration of divvy's README).
     Serve(Box<ServeArgs>),
-    /// Validate a rule file: exit 0 with a summary, or 1 with the error.
+    /// Validate a rule file: exit 0 with a summary (and a warning per key
+    /// divvy would ignore), or 1 naming every malformed line or the first
+    /// invalid rule.
     CheckConfig {
         /// A `.ini` or `.json` rule file.
         file: PathBuf,
+        /// Also fail (exit 1) on keys divvy would ignore, as `serve
+        /// --strict-rules` refuses them.
+        #[arg(long)]
+        strict_rules: bool,
     },
-    /// Make a running server re-read its rule file (sends it SIGHUP). An
-    /// invalid file is refused by the server, which keeps its rules and logs why.
+    /// Make a running server re-read its rule file, through its control
+    /// socket, and report the outcome: exit 0 when the new rules serve, 1
+    /// with the server's reason when it refused them (it keeps its rules).
+    /// A pid that is not a Tollgate server is never signalled.
     Reload {
         /// The `--pid-file` the server was started with.
         #[arg(long, conflicts_with = "pid", required_unless_present = "pid")]
@@ -72,25 +83,28 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => {
             use clap::error::ErrorKind;
-            if matches!(
-                error.kind(),
-                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
-            ) {
-                let _ = error.print();
-                return ExitCode::SUCCESS;
+            match error.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    let _ = error.print();
+                    return ExitCode::SUCCESS;
+                }
+                // `tollgate` or `tollgate cluster` alone: the help, as an error.
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = error.print();
+                }
+                _ => {
+                    use clap::CommandFactory;
+                    let args: Vec<String> = std::env::args().skip(1).collect();
+                    let command = errors::command_path(&Cli::command(), &args);
+                    eprintln!("tollgate: {}", errors::usage_error(&error, &command));
+                }
             }
-            let rendered = error.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!(
-                "tollgate: {} (see tollgate --help)",
-                first.trim_start_matches("error: ")
-            );
             return ExitCode::from(2);
         }
     };
     let result = match cli.command {
         Command::Serve(args) => serve::serve(*args).map(|()| ExitCode::SUCCESS),
-        Command::CheckConfig { file } => check_config(&file),
+        Command::CheckConfig { file, strict_rules } => Ok(check_config(&file, strict_rules)),
         Command::Cluster(ClusterCommand::Status(args)) => cluster::status_command(&args),
         Command::Cluster(ClusterCommand::AddNode(args)) => cluster::add_node_command(&args),
         Command::Cluster(ClusterCommand::RemoveNode(args)) => cluster::remove_node_command(&args),
@@ -99,35 +113,49 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("tollgate: {error:#}");
+            eprintln!("tollgate: {}", errors::failure(&error));
             ExitCode::FAILURE
         }
     }
 }
 
+/// `tollgate reload`: the server's answer on stdout (exit 0), or its
+/// refusal on stderr (exit 1).
 fn reload(pid_file: Option<&Path>, pid: Option<i32>) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
     let pid = match (pid, pid_file) {
         (Some(pid), _) => pid,
         (None, Some(file)) => {
-            let text = std::fs::read_to_string(file)
-                .with_context(|| format!("cannot read {}", file.display()))?;
-            text.trim()
-                .parse()
-                .with_context(|| format!("{} does not hold a process id", file.display()))?
+            let text = std::fs::read_to_string(file).with_context(|| {
+                format!(
+                    "cannot read the pid file {} (the server writes it once serving)",
+                    file.display()
+                )
+            })?;
+            text.trim().parse().with_context(|| {
+                format!(
+                    "{} does not hold a process id: {:?}",
+                    file.display(),
+                    text.trim()
+                )
+            })?
         }
         (None, None) => anyhow::bail!("give --pid-file or --pid"),
     };
-    anyhow::ensure!(pid > 0, "invalid process id {pid}");
-    // SAFETY: kill(2) with a valid signal number has no memory-safety preconditions.
-    if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
-        anyhow::bail!(
-            "cannot signal process {pid}: {}",
-            std::io::Error::last_os_error()
-        );
+    let pid = u32::try_from(pid)
+        .ok()
+        .filter(|&pid| pid > 0)
+        .with_context(|| format!("invalid process id {pid}"))?;
+    match control::reload(pid)? {
+        Ok(done) => {
+            println!("tollgate: process {pid}: {done}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(refused) => {
+            eprintln!("tollgate: process {pid} kept its rules: {refused}");
+            Ok(ExitCode::FAILURE)
+        }
     }
-    println!("tollgate: asked process {pid} to reload its rules");
-    Ok(ExitCode::SUCCESS)
 }
 
 fn describe_quota(quota: &Quota) -> String {
@@ -141,15 +169,41 @@ fn describe_quota(quota: &Quota) -> String {
     }
 }
 
-fn check_config(file: &Path) -> anyhow::Result<ExitCode> {
-    let rules = match RuleSet::load_file(file) {
+/// `tollgate check-config`: every warning and error on stderr, one a line
+/// (`tollgate: FILE: …`), the summary on stdout.
+fn check_config(file: &Path, strict: bool) -> ExitCode {
+    let name = file.display();
+    let checked = diagnostics::check_file(file);
+    for warning in &checked.warnings {
+        eprintln!("tollgate: {name}: warning: {warning}");
+    }
+    let rules = match checked.rules {
         Ok(rules) => rules,
+        Err(ConfigError::IniMalformed(lines)) => {
+            for line in lines {
+                eprintln!("tollgate: {name}: {line}");
+            }
+            return ExitCode::FAILURE;
+        }
         Err(error) => {
-            eprintln!("tollgate: {}: {error}", file.display());
-            return Ok(ExitCode::FAILURE);
+            eprintln!("tollgate: {}", error.in_file(file));
+            return ExitCode::FAILURE;
         }
     };
-    println!("{}: {} rules, valid", file.display(), rules.rules().len());
+    let warnings = checked.warnings.len();
+    if strict && warnings > 0 {
+        eprintln!(
+            "tollgate: {name}: refused by --strict-rules: {warnings} unknown key{}",
+            if warnings == 1 { "" } else { "s" }
+        );
+        return ExitCode::FAILURE;
+    }
+    let warned = match warnings {
+        0 => String::new(),
+        1 => ", 1 warning".to_owned(),
+        n => format!(", {n} warnings"),
+    };
+    println!("{name}: {} rules, valid{warned}", rules.rules().len());
     for (i, rule) in rules.rules().iter().enumerate() {
         let mut extra = String::new();
         if let Some(actor) = &rule.actor_field {
@@ -171,5 +225,5 @@ fn check_config(file: &Path) -> anyhow::Result<ExitCode> {
             describe_quota(&rule.quota)
         );
     }
-    Ok(ExitCode::SUCCESS)
+    ExitCode::SUCCESS
 }

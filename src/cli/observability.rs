@@ -66,13 +66,11 @@ pub struct InvalidSetting {
     value: String,
 }
 
-/// `9102` means `0.0.0.0:9102`; an address is taken as is.
+/// `9102` means `0.0.0.0:9102`; an address is taken as is, a host name
+/// resolved.
 fn parse_listen(text: &str) -> Result<SocketAddr, InvalidSetting> {
     let text = text.trim();
-    if let Ok(port) = text.parse::<u16>() {
-        return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
-    }
-    text.parse().map_err(|_| InvalidSetting {
+    super::values::resolve_listen(text).ok_or_else(|| InvalidSetting {
         setting: "HTTP_SERVICE_PORT (--metrics-listen)",
         expected: "a port or an address like 127.0.0.1:9102",
         value: text.to_owned(),

@@ -4,8 +4,13 @@
 //! The server itself is built and run by [`App`].
 
 use super::cluster::ClusterArgs;
+use super::control;
 use super::observability::ObservabilityArgs;
-use crate::app::{App, Control, RuleSource, RunningApp, ServeConfig, SweepConfig, DIVVY_PORT};
+use crate::app::{
+    App, AppError, Control, RuleSource, RunningApp, ServeConfig, SweepConfig, DIVVY_PORT,
+};
+use crate::cluster::auth::SecretError;
+use crate::cluster::ClusterError;
 use crate::droplet::DropletConfig;
 use crate::engine::UnavailablePolicy;
 use crate::server::Limits;
@@ -27,8 +32,15 @@ pub struct ServeArgs {
     /// A `.ini` or `.json` rule file (divvy's formats).
     pub config: Option<PathBuf>,
 
-    /// Address to listen on [default: 0.0.0.0:$PORT, or 0.0.0.0:8321].
+    /// Refuse a rule file holding keys divvy would ignore (a typo such as
+    /// `actorFeild`), at start and on reload, instead of logging a warning
+    /// per key.
     #[arg(long)]
+    pub strict_rules: bool,
+
+    /// Address to listen on: IP:PORT, HOST:PORT (resolved at start) or PORT
+    /// [default: 0.0.0.0:$PORT, or 0.0.0.0:8321].
+    #[arg(long, value_name = "ADDR", value_parser = super::values::parse_listen)]
     pub listen: Option<SocketAddr>,
 
     /// Port to listen on, as divvy reads it (ignored when --listen is given).
@@ -117,7 +129,8 @@ pub struct DropletArgs {
         long,
         value_name = "ADDR",
         num_args = 0..=1,
-        default_missing_value = "0.0.0.0:3000"
+        default_missing_value = "0.0.0.0:3000",
+        value_parser = super::values::parse_listen
     )]
     pub droplet_listen: Option<SocketAddr>,
 
@@ -218,6 +231,7 @@ impl ServeArgs {
                 Some(path) => RuleSource::File(path),
                 None => RuleSource::Embedded,
             },
+            strict_rules: self.strict_rules,
             listen,
             threads: self.threads,
             limits: Limits {
@@ -237,7 +251,7 @@ impl ServeArgs {
                 entries_per_tick: self.sweep_entries_per_tick,
             },
             unavailable_policy: self.unavailable_policy,
-            debug_rules: divvy_debug(),
+            debug_rules: super::logging::divvy_debug(),
             pid_file: self.pid_file,
             droplet: DropletConfig {
                 listen: self.droplet.droplet_listen,
@@ -252,44 +266,24 @@ impl ServeArgs {
     }
 }
 
-/// divvy's `DEBUG=divvy` (a comma-separated list of names): log each
-/// evaluated rule.
-fn divvy_debug() -> bool {
-    std::env::var("DEBUG").is_ok_and(|v| v.split(',').any(|name| name.trim() == "divvy"))
-}
-
-pub fn init_logging(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let mut filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,openraft=error"));
-    if divvy_debug() {
-        if let Ok(directive) = "divvy=debug".parse() {
-            filter = filter.add_directive(directive);
-        }
-    }
-    use std::io::IsTerminal as _;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
 /// `tollgate serve`: logs, builds the server, announces it on stdout once it
 /// serves, and serves until SIGINT or SIGTERM (SIGHUP reloads the rules).
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    super::logging::init_logging(args.log_format);
+    let join = args.cluster.join_existing;
     let config = args.into_config()?;
     // Until the server is built (a cluster join may wait for peers), a signal
     // still terminates the process at once.
-    let app = App::build(config)?;
+    let app = App::build(config).map_err(|error| match error {
+        AppError::Cluster(ClusterError::Secret(SecretError::Missing)) => {
+            super::cluster::missing_secret(join)
+        }
+        other => other.into(),
+    })?;
     // Installed before anything is announced, so that no signal can arrive
     // while its default action (termination) still applies.
     let mut signals = Signals::install()?;
-    app.run_until(announce, || signals.wait())?;
+    app.run_until(announce, |running| signals.wait(running))?;
     Ok(())
 }
 
@@ -310,12 +304,14 @@ fn announce(app: &RunningApp) {
     let _ = std::io::stdout().flush();
 }
 
-/// The signal handlers, on a small runtime of their own.
+/// The signal handlers and the control socket, on a small runtime of their
+/// own.
 struct Signals {
     runtime: tokio::runtime::Runtime,
     terminate: tokio::signal::unix::Signal,
     interrupt: tokio::signal::unix::Signal,
     hangup: tokio::signal::unix::Signal,
+    control: Option<tokio::sync::mpsc::Receiver<control::Request>>,
 }
 
 impl Signals {
@@ -330,26 +326,58 @@ impl Signals {
             terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
             interrupt: signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?,
             hangup: signal(SignalKind::hangup()).context("cannot listen for SIGHUP")?,
+            control: control::listen(),
             runtime,
         })
     }
 
-    /// Blocks until the next signal: SIGINT and SIGTERM stop, SIGHUP reloads.
-    fn wait(&mut self) -> Control {
+    /// Blocks until SIGINT or SIGTERM says stop; meanwhile SIGHUP reloads
+    /// the rules, and so does a control request, which gets the outcome.
+    fn wait(&mut self, running: &RunningApp) -> Control {
         let Signals {
             runtime,
             terminate,
             interrupt,
             hangup,
+            control,
         } = self;
-        runtime.block_on(async {
-            tokio::select! {
-                _ = terminate.recv() => Control::Stop,
-                _ = interrupt.recv() => Control::Stop,
-                _ = hangup.recv() => Control::ReloadRules,
+        loop {
+            let event = runtime.block_on(async {
+                let next_request = async {
+                    match control.as_mut() {
+                        Some(requests) => requests.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = terminate.recv() => Event::Stop,
+                    _ = interrupt.recv() => Event::Stop,
+                    _ = hangup.recv() => Event::Hangup,
+                    request = next_request => Event::Request(request),
+                }
+            });
+            match event {
+                Event::Stop => return Control::Stop,
+                Event::Hangup => {
+                    let _ = running.reload_rules();
+                }
+                Event::Request(None) => *control = None,
+                Event::Request(Some(request)) => match request.command {
+                    control::Command::Reload => {
+                        let _ = request.answer.send(running.reload_rules());
+                    }
+                },
             }
-        })
+        }
     }
+}
+
+/// What woke [`Signals::wait`].
+enum Event {
+    Stop,
+    Hangup,
+    /// A control request; `None` when the control socket stopped.
+    Request(Option<control::Request>),
 }
 
 #[cfg(test)]

@@ -16,7 +16,13 @@
 //! answer arrives or the connection closes; the peer answers every request,
 //! so slots do not pile up.
 //!
+//! Each link logs its peer's reachability when it changes
+//! ([`reachability`]): connected, not connected, or connected but silent
+//! for [`SILENT_PEER`].
+//!
 //! This module also adapts links to openraft's `RaftNetwork` for one shard.
+
+mod reachability;
 
 use super::auth::{self, PeerSecrets};
 use super::codec;
@@ -34,6 +40,7 @@ use openraft::raft::{
 };
 use openraft::BasicNode;
 use parking_lot::{Mutex, RwLock};
+use reachability::Reachability;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,6 +53,11 @@ use tokio::sync::{mpsc, oneshot};
 pub const CONNECT_TIMEOUT_MS: u64 = 500;
 /// After a failed connect, calls fail at once for this long.
 pub const RECONNECT_BACKOFF_MS: u64 = 100;
+/// A peer that sent nothing (a peer beats every `--raft-heartbeat-ms`) for
+/// this long on an open connection is logged as unreachable. Well above the
+/// liveness timeout that moves leadership (0.6 s by default), so that a
+/// loaded machine's pauses are not reported.
+const SILENT_PEER: Duration = Duration::from_secs(3);
 /// Shortest wait for a Raft RPC's answer. openraft asks for the heartbeat
 /// interval, which a busy follower can miss while the answer is on its way;
 /// treating that as a failure only resends the same entries.
@@ -169,6 +181,9 @@ async fn run_link(
 ) {
     let out = target.data.out(target.id);
     let mut last_failure: Option<(Instant, LinkError)> = None;
+    let mut reach = Reachability::new(target.id, target.addr);
+    // Why the last connection ended, for the line saying the peer is down.
+    let mut lost: Option<String> = None;
     loop {
         // Connect when there is something to say: a call, data, or a beat.
         let first = tokio::select! {
@@ -207,16 +222,45 @@ async fn run_link(
         }
         match connected {
             Err(error) => {
+                let why = match lost.take() {
+                    Some(lost) => format!("connection lost ({lost}), then {error}"),
+                    None => error.to_string(),
+                };
+                reach.down(&why);
                 fail_all(&mut receiver, first, &error);
                 last_failure = Some((Instant::now(), error));
             }
             Ok((stream, _report)) => {
                 last_failure = None;
+                reach.up();
                 target.data.peer_connected(target.id);
-                let lost = serve_connection(&target, stream, first, &mut receiver, &out).await;
-                target.data.peer_disconnected(target.id, &lost);
+                let why =
+                    serve_connection(&target, stream, first, &mut receiver, &out, &mut reach).await;
+                tracing::debug!(peer = target.id, addr = %target.addr, "peer connection lost: {why}");
+                target.data.peer_disconnected(target.id, &why);
+                lost = Some(why);
             }
         }
+    }
+}
+
+/// Notes, on each beat of an open connection, whether the peer still
+/// speaks: a peer heard from before that has sent nothing (not even a
+/// beat) for [`SILENT_PEER`] is unreachable though the connection is open
+/// (its links blackholed, its process frozen); one never heard from yet
+/// (a node that is not a member yet) counts as reachable.
+fn note_silence(reach: &mut Reachability, out: &PeerOut, connected_at: Instant) {
+    let limit_ms = SILENT_PEER.as_millis() as u64;
+    let silent = connected_at.elapsed() >= SILENT_PEER
+        && out.heard_within(u64::MAX)
+        && !out.heard_within(limit_ms);
+    if silent {
+        reach.down(&format!(
+            "the connection is open, but nothing was heard from it for {} s",
+            SILENT_PEER.as_secs()
+        ));
+    } else {
+        reach.up();
     }
 }
 
@@ -273,8 +317,10 @@ async fn serve_connection(
     first: Option<Call>,
     receiver: &mut mpsc::UnboundedReceiver<Call>,
     out: &PeerOut,
+    reach: &mut Reachability,
 ) -> String {
     let peer = target.id;
+    let connected_at = Instant::now();
     let (read_half, mut write_half) = stream.into_split();
     let pending: Pending = Arc::default();
     let reader_pending = Arc::clone(&pending);
@@ -312,6 +358,7 @@ async fn serve_connection(
                 _ = beat.tick() => {
                     beat_due = !wrote_since_beat;
                     wrote_since_beat = false;
+                    note_silence(reach, out, connected_at);
                 }
                 ended = &mut reader => break ended.unwrap_or_else(|e| e.to_string()),
             }

@@ -314,10 +314,15 @@ impl Cluster {
     }
 
     pub fn describe(&self) -> String {
+        let members = self.node.members();
+        let membership = if members.nodes.contains_key(&self.node.id) {
+            format!("members {}", members.describe())
+        } else {
+            format!("joining, not a member yet: members {}", members.describe())
+        };
         format!(
-            "cluster node {} of {}, {} shards x {} replicas ({} here), consistency {}",
+            "cluster node {} ({membership}), {} shards x {} replicas ({} here), consistency {}",
             self.node.id,
-            self.node.members().nodes.len(),
             self.node.file.shards,
             self.node.file.replicas,
             self.node.replica_count(),

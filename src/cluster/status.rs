@@ -301,10 +301,23 @@ pub fn fetch_topology(addr: &str, timeout: Duration) -> anyhow::Result<Topology>
     stream.set_write_timeout(Some(timeout))?;
     stream.write_all(b"TOPOLOGY\n")?;
     let mut line = String::new();
-    BufReader::new(stream)
-        .read_line(&mut line)
-        .with_context(|| format!("no answer from {addr}"))?;
+    let read = BufReader::new(stream).read_line(&mut line);
+    if let Err(error) = &read {
+        if matches!(
+            error.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            anyhow::bail!("{addr} did not answer TOPOLOGY within {timeout:?}");
+        }
+    }
     let line = line.trim_end();
+    if read.is_err() || line.is_empty() {
+        // A peer port closes on anything that is not a peer's handshake.
+        anyhow::bail!(
+            "{addr} closed the connection without answering TOPOLOGY: a peer port? \
+             `cluster status --node` takes a node's client address (its `client =` line)"
+        );
+    }
     if line.starts_with("ERR ") {
         anyhow::bail!("{addr} answered {line} (is it running in cluster mode?)");
     }

@@ -9,6 +9,7 @@
 //! label values are hit statuses, rule labels (from the configuration), error
 //! codes, the backend's name, the drop reason and the version.
 
+use super::health::Readiness;
 use crate::cluster::ClusterSnapshot;
 use crate::droplet::Buckets;
 use crate::engine::Engine;
@@ -22,8 +23,10 @@ use prometheus::{Encoder, Registry, TextEncoder};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The content type of the text format (what prom-client answered with).
-pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+/// The content type of the text format, as prom-client (divvy's) and
+/// docs/observability.md give it; the prometheus crate's `TEXT_FORMAT`
+/// lacks the charset.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
@@ -46,6 +49,8 @@ pub struct ExportSources {
     pub store: Option<Arc<MemoryStore>>,
     /// The droplet token buckets, when the server keeps them.
     pub buckets: Option<Arc<Buckets>>,
+    /// Says whether the backend can decide hits (`tollgate_backend_healthy`).
+    pub readiness: Arc<Readiness>,
     /// The cluster's data-path counters, in cluster mode.
     pub cluster: Option<ClusterSource>,
 }
@@ -381,7 +386,7 @@ impl Collector for ServerCollector {
                 counter(&STATSD_DROPPED, &[reason.as_str()], dropped)
             })
             .collect();
-        let healthy = f64::from(u8::from(metrics.backend_healthy()));
+        let healthy = f64::from(u8::from(self.sources.readiness.backend_health().is_ok()));
         let mut out = vec![
             plain_gauge(&DIVVY_CONNECTIONS, metrics.connections_open() as f64),
             family(&DIVVY_HIT_DURATION, vec![hit_duration(metrics)]),

@@ -2,9 +2,11 @@
 //! means the process answers HTTP at all. Ready means it can serve hits now:
 //! the rules are loaded and the listeners are open (set by the serve wiring,
 //! cleared when shutdown starts so load balancers stop sending first), the
-//! backend reports itself healthy through [`Metrics::set_backend_healthy`],
-//! and every extra [`ReadinessCheck`] (for example the cluster's "every shard
-//! has a reachable leader") passes.
+//! backend is healthy (it reports itself so through
+//! [`Metrics::set_backend_healthy`], and its own [`ReadinessCheck`] passes
+//! if it has one: the cluster's "every shard can be decided from this
+//! node"), and every extra check passes. The backend's health is also
+//! `tollgate_backend_healthy`.
 
 use crate::metrics::Metrics;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +32,8 @@ where
 pub struct Readiness {
     serving: AtomicBool,
     metrics: Arc<Metrics>,
+    /// The backend's own check, beside what it reports through `metrics`.
+    backend: Option<Arc<dyn ReadinessCheck>>,
     checks: Vec<Arc<dyn ReadinessCheck>>,
 }
 
@@ -39,7 +43,28 @@ impl Readiness {
         Readiness {
             serving: AtomicBool::new(false),
             metrics,
+            backend: None,
             checks: Vec::new(),
+        }
+    }
+
+    /// Makes `check` part of the backend's health (and so of
+    /// `tollgate_backend_healthy`), not only of readiness.
+    pub fn with_backend_check(mut self, check: Arc<dyn ReadinessCheck>) -> Readiness {
+        self.backend = Some(check);
+        self
+    }
+
+    /// `Ok` while the backend can decide hits, else why not.
+    pub fn backend_health(&self) -> Result<(), String> {
+        if !self.metrics.backend_healthy() {
+            return Err("backend unavailable".into());
+        }
+        match &self.backend {
+            Some(check) => check
+                .check()
+                .map_err(|why| format!("backend unavailable: {why}")),
+            None => Ok(()),
         }
     }
 
@@ -58,9 +83,7 @@ impl Readiness {
         if !self.serving.load(Ordering::Acquire) {
             return Err("not serving (starting or shutting down)".into());
         }
-        if !self.metrics.backend_healthy() {
-            return Err("backend unavailable".into());
-        }
+        self.backend_health()?;
         self.checks.iter().try_for_each(|check| check.check())
     }
 }

@@ -92,6 +92,7 @@ impl Observability {
                         engine: observed.engine,
                         store: observed.store,
                         buckets: observed.buckets,
+                        readiness: Arc::clone(&observed.readiness),
                         cluster: observed.cluster,
                     })?,
                     readiness: Arc::clone(&observed.readiness),

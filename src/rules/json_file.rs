@@ -1,7 +1,9 @@
 //! Reading divvy's JSON rule files with serde: `{"overrides": [rule, …],
 //! "default": rule}`, the default appended last. Non-string operation values
-//! become their JSON text, as divvy's JavaScript did.
+//! become their JSON text, as divvy's JavaScript did. Keys divvy ignored
+//! are ignored too, each with a warning naming its rule.
 
+use super::diagnostics::{RuleWarning, JSON_FILE_KEYS, JSON_RULE_KEYS};
 use super::{parse_int_prefix, ConfigError, RawRule, RuleOrigin};
 use serde::Deserialize;
 use serde_json::Value;
@@ -12,6 +14,9 @@ struct File {
     #[serde(default)]
     overrides: Vec<JsonRule>,
     default: Option<JsonRule>,
+    /// Keys we do not know are ignored, as divvy did, with a warning.
+    #[serde(flatten)]
+    unknown: BTreeMap<String, Value>,
 }
 
 #[derive(Deserialize)]
@@ -33,9 +38,9 @@ struct JsonRule {
     match_policy: Option<String>,
     #[serde(default)]
     algorithm: Option<String>,
-    /// Fields we do not know are accepted and ignored, as divvy did.
+    /// Fields we do not know are ignored, as divvy did, with a warning.
     #[serde(flatten)]
-    _unknown: BTreeMap<String, Value>,
+    unknown: BTreeMap<String, Value>,
 }
 
 /// A JSON value as text: strings as themselves, anything else as JSON.
@@ -57,7 +62,13 @@ fn integer_of(value: &Value) -> Option<i64> {
 }
 
 impl JsonRule {
-    fn into_raw(self, index: Option<usize>) -> RawRule {
+    fn into_raw(self, index: Option<usize>, warnings: &mut Vec<RuleWarning>) -> RawRule {
+        let origin = RuleOrigin::Json { index };
+        warnings.extend(
+            self.unknown
+                .keys()
+                .map(|key| RuleWarning::new(Some(origin.clone()), None, key, &JSON_RULE_KEYS)),
+        );
         RawRule {
             operation: self
                 .operation
@@ -73,21 +84,27 @@ impl JsonRule {
             comment: self.comment,
             match_policy: self.match_policy,
             algorithm: self.algorithm,
-            origin: RuleOrigin::Json { index },
+            origin,
         }
     }
 }
 
-pub fn read(text: &str) -> Result<Vec<RawRule>, ConfigError> {
+/// The rules of a JSON file, in order, and a warning per unknown key.
+pub fn read(text: &str) -> Result<(Vec<RawRule>, Vec<RuleWarning>), ConfigError> {
     let file: File = serde_json::from_str(text).map_err(|e| ConfigError::Json(e.to_string()))?;
+    let mut warnings: Vec<RuleWarning> = file
+        .unknown
+        .keys()
+        .map(|key| RuleWarning::new(None, None, key, &JSON_FILE_KEYS))
+        .collect();
     let mut rules: Vec<RawRule> = file
         .overrides
         .into_iter()
         .enumerate()
-        .map(|(i, rule)| rule.into_raw(Some(i)))
+        .map(|(i, rule)| rule.into_raw(Some(i), &mut warnings))
         .collect();
     if let Some(default) = file.default {
-        rules.push(default.into_raw(None));
+        rules.push(default.into_raw(None, &mut warnings));
     }
-    Ok(rules)
+    Ok((rules, warnings))
 }

@@ -4,13 +4,19 @@
 //! sockets or storage.
 
 mod counter_id;
+pub mod diagnostics;
 mod ini_file;
+mod ini_scan;
 mod json_file;
 mod matcher;
 mod pattern;
 
 use crate::protocol::Pairs;
 pub use counter_id::CounterId;
+pub use diagnostics::{Loaded, RuleWarning};
+#[doc(hidden)]
+pub use ini_file::check_prepass as check_ini_prepass;
+pub use ini_scan::{Malformed, Problem as MalformedProblem};
 pub use pattern::Pattern;
 use std::fmt;
 use std::path::Path;
@@ -197,10 +203,10 @@ pub struct RawRule {
 /// Why a configuration could not be loaded. Each message names the rule.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {reason}")]
     Io {
         path: String,
-        source: std::io::Error,
+        reason: std::io::Error,
     },
     #[error("{path}: unknown rule file type (expected .ini or .json)")]
     UnknownFormat { path: String },
@@ -212,6 +218,18 @@ pub enum ConfigError {
     },
     #[error("INI key '{key}' at line {line} is outside any section")]
     IniKeyOutsideSection { key: String, line: usize },
+    /// Lines rust-ini would misread (see `ini_scan`), every one of them.
+    #[error("{}", join(.0))]
+    IniMalformed(Vec<Malformed>),
+    #[error("rule {rule}: {key} is missing; {found} is not a known key (did you mean '{key}'?)")]
+    MisspelledKey {
+        rule: String,
+        key: &'static str,
+        found: String,
+    },
+    /// `--strict-rules` and keys divvy would have ignored.
+    #[error("--strict-rules refuses unknown keys: {}", join(.0))]
+    UnknownKeys(Vec<RuleWarning>),
     #[error("JSON error: {0}")]
     Json(String),
     #[error("Config does not define any rules.")]
@@ -238,6 +256,22 @@ pub enum ConfigError {
     BadAlgorithm { rule: String, value: String },
 }
 
+fn join<T: fmt::Display>(items: &[T]) -> String {
+    let texts: Vec<String> = items.iter().map(ToString::to_string).collect();
+    texts.join("; ")
+}
+
+impl ConfigError {
+    /// The error as one line about the file at `path`: prefixed with the
+    /// path unless the message names it already.
+    pub fn in_file(&self, path: &Path) -> String {
+        match self {
+            ConfigError::Io { .. } | ConfigError::UnknownFormat { .. } => self.to_string(),
+            _ => format!("{}: {self}", path.display()),
+        }
+    }
+}
+
 /// A validated, ordered list of rules ending in the default rule.
 #[derive(Debug, Clone)]
 pub struct RuleSet {
@@ -249,21 +283,10 @@ pub struct RuleSet {
 }
 
 impl RuleSet {
-    /// Loads and validates a `.ini` or `.json` rule file.
+    /// Loads and validates a `.ini` or `.json` rule file (its warnings:
+    /// [`diagnostics::load_file`]).
     pub fn load_file(path: &Path) -> Result<RuleSet, ConfigError> {
-        let display = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: display.clone(),
-            source,
-        })?;
-        let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        let mut set = match extension.to_ascii_lowercase().as_str() {
-            "ini" => Self::from_ini(&text)?,
-            "json" => Self::from_json(&text)?,
-            _ => return Err(ConfigError::UnknownFormat { path: display }),
-        };
-        set.source = display;
-        Ok(set)
+        diagnostics::load_file(path).map(|loaded| loaded.rules)
     }
 
     /// The example configuration of divvy's README.
@@ -276,11 +299,11 @@ impl RuleSet {
     }
 
     pub fn from_ini(text: &str) -> Result<RuleSet, ConfigError> {
-        Self::from_raw(ini_file::read(text)?)
+        diagnostics::load_ini(text).map(|loaded| loaded.rules)
     }
 
     pub fn from_json(text: &str) -> Result<RuleSet, ConfigError> {
-        Self::from_raw(json_file::read(text)?)
+        diagnostics::load_json(text).map(|loaded| loaded.rules)
     }
 
     /// Validates raw rules in order (SPEC §2) and builds the set.

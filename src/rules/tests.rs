@@ -374,6 +374,39 @@ mod properties {
         ]
     }
 
+    /// Lines that stress the pre-pass: quotes, backslashes, comments,
+    /// brackets, indentation, stray carriage returns.
+    fn tricky_ini_line() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[ \t]{0,2}\\[[a-z=*\\\\\\] ;#\\[]{0,8}\\]?[ \t;#a-z\\]]{0,4}",
+            "[ \t]{0,2}[a-zA-Z:\\\\]{0,6}[ \t]{0,2}[=:]?[ \t]{0,2}['\"a-z \t#;=:\\\\\r]{0,10}",
+            "[ \t]{0,2}[#;][^\n]{0,10}",
+            "[^\n]{0,16}",
+        ]
+    }
+
+    fn good_ini_line() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just(String::new()),
+            "  ?# [a-z =]{0,8}",
+            "; [a-z]{0,8}",
+            "\\[[a-z]{1,3}=[a-z*/]{1,4}\\]( # c)?",
+            "(creditLimit|resetSeconds|comment|label) ?= ?[a-z0-9]{0,5}( ; c)?",
+            "comment = '[a-z #;]{0,6}'",
+        ]
+    }
+
+    fn bad_ini_line() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "\\[[a-z=]{1,6}",
+            "\\[[a-z]{1,3}\\] [a-z]{1,3}",
+            "[a-z]{1,8}",
+            "= ?[a-z0-9]{0,3}",
+            "comment = '[a-z ]{0,6}",
+            "label = [a-z]{0,4}\\\\",
+        ]
+    }
+
     proptest! {
         /// Any text loads or is refused with an error; a loaded set always ends
         /// in the default rule and every rule's quota is valid.
@@ -387,6 +420,64 @@ mod properties {
                     }
                 }
             }
+        }
+
+        /// Whatever the line pre-pass accepts, rust-ini reads into exactly
+        /// the sections and keys the pre-pass recorded (so line numbers in
+        /// messages are right and no line swallows another).
+        #[test]
+        fn prepass_and_rust_ini_agree(lines in proptest::collection::vec(tricky_ini_line(), 0..14)) {
+            let text = lines.join("\n");
+            prop_assert_eq!(crate::rules::check_ini_prepass(&text), Ok(()));
+            let _ = RuleSet::from_ini(&text);
+        }
+
+        /// Every malformed line is reported, at its own line, and no other.
+        #[test]
+        fn every_malformed_line_is_reported_at_its_line(
+            lines in proptest::collection::vec((good_ini_line(), proptest::option::weighted(0.3, bad_ini_line())), 1..14)
+        ) {
+            let mut text = String::from("[first]\n");
+            let mut bad = Vec::new();
+            for (i, (good, broken)) in lines.iter().enumerate() {
+                match broken {
+                    Some(line) => {
+                        bad.push(i + 2);
+                        text.push_str(line);
+                    }
+                    None => text.push_str(good),
+                }
+                text.push('\n');
+            }
+            match diagnostics::check_ini(&text).rules {
+                Err(ConfigError::IniMalformed(found)) => {
+                    let at: Vec<usize> = found.iter().map(|m| m.line).collect();
+                    prop_assert_eq!(at, bad);
+                }
+                _ => prop_assert!(bad.is_empty(), "{:?} not reported in {:?}", bad, text),
+            }
+        }
+
+        /// Every unknown key of a well-formed file is named, with its line.
+        #[test]
+        fn every_unknown_key_is_named_at_its_line(
+            keys in proptest::collection::vec(prop_oneof!["[a-zA-Z_]{1,12}", Just("creditLimit".to_string())], 0..10)
+        ) {
+            let mut text = String::from("[default]\n");
+            let mut unknown = Vec::new();
+            for (i, key) in keys.iter().enumerate() {
+                text.push_str(&format!("  {key} = 1\n"));
+                if !diagnostics::RULE_KEYS.contains(&key.as_str()) {
+                    unknown.push((i + 2, key.clone()));
+                }
+            }
+            let checked = diagnostics::check_ini(&text);
+            let named: Vec<(usize, String)> = checked
+                .warnings
+                .iter()
+                .map(|w| (w.line.unwrap(), w.key.clone()))
+                .collect();
+            prop_assert_eq!(named, unknown);
         }
 
         #[test]

@@ -76,9 +76,8 @@ pub fn refuse_if_in_use(addr: SocketAddr) -> std::io::Result<()> {
     }
     let probe = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     probe.set_reuse_address(true)?;
-    probe.bind(&addr.into()).map_err(|error| {
-        std::io::Error::new(error.kind(), format!("{addr} is already in use: {error}"))
-    })
+    // The caller names the address; the error says it is in use.
+    probe.bind(&addr.into())
 }
 
 /// An endpoint whose listeners are bound (so its address is known, port 0

@@ -1,7 +1,8 @@
 //! Real multi-node clusters of `tollgate` processes on loopback: replication,
 //! failover, partitions (through fault-injection proxies), membership changes
 //! and moving shards without errors,
-//! rolling restarts, chaos, and the peer port's authentication
+//! rolling restarts, chaos, the peer port's authentication, and what an
+//! operator watches and types (readiness, metrics, the membership commands)
 //! (`cluster_support` starts and stops them; every wait is bounded).
 
 // A test stops at the first thing that is not as it should be.
@@ -15,5 +16,6 @@ mod test_chaos;
 mod test_failover;
 mod test_membership;
 mod test_moves;
+mod test_operator;
 mod test_partition;
 mod test_rolling;

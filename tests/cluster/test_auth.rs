@@ -177,7 +177,7 @@ fn cluster_mode_without_a_secret_refuses_to_start() {
     };
     let stderr = serve(&[]);
     assert!(
-        stderr.contains("cluster mode needs a shared secret")
+        stderr.contains("cluster mode needs the cluster's shared secret")
             && stderr.contains("--cluster-secret-file")
             && stderr.contains("head -c 32 /dev/urandom | base64"),
         "{stderr}"

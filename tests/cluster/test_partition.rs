@@ -374,6 +374,20 @@ fn isolated_leader_under_load(fault: Fault) {
         Fault::Cut => assert!(refused > 0, "the cut refused no reconnection"),
         Fault::Blackhole => assert!(dropped > 0, "the blackhole dropped nothing"),
     }
+    // 4. The isolated node's log names each peer it lost, once it could
+    //    not hear it (a blackholed connection stays open: it is the peer's
+    //    silence that tells), and says when it was back.
+    let victim_log = cluster.log(victim);
+    for &peer in &majority {
+        let addr = cluster.link(victim, peer).addr;
+        let line = format!("peer node {peer} at {addr} is ");
+        let lost = victim_log.find(&format!("{line}unreachable: "));
+        let back = victim_log.find(&format!("{line}reachable again"));
+        assert!(
+            lost.is_some() && back > lost,
+            "{fault:?}: node {victim}'s log does not say it lost node {peer}, then had it back:\n{victim_log}"
+        );
+    }
     eprintln!(
         "{fault:?}: victim {victim} led {led:?}; election {election:?}; isolated node: {} answers, {} ERR for led shards, latency median {:?} max {:?}, slowest answer {slowest:?}; majority {} hits after electing; converged {converged:?} after healing; {} hits in all",
         on_victim.len(),

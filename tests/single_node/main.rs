@@ -22,4 +22,5 @@ mod test_observability;
 mod test_observability_cli;
 mod test_protocol;
 mod test_reload;
+mod test_rule_mistakes;
 mod test_windows;

@@ -255,3 +255,155 @@ fn cluster_mode_refuses_redis_persistence_and_the_redis_backend() {
         assert!(stderr.contains(expected), "{stderr}");
     }
 }
+
+/// Runs `tollgate ARGS` with `cwd` as the working directory and no cluster
+/// secret in the environment; returns (exit code, stderr).
+fn run_in(cwd: &std::path::Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("TOLLGATE_CLUSTER_SECRET")
+        .env_remove("PORT")
+        .output()
+        .unwrap();
+    (out.status.code(), String::from_utf8(out.stderr).unwrap())
+}
+
+/// Each mistake of item 4 (issue 17) and exactly what the operator reads:
+/// clap's detail kept on one line, each cause once, the command whose
+/// `--help` to read.
+#[test]
+fn usage_and_startup_errors_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("rules.txt"), "[default]\ncreditLimit=0\n").unwrap();
+    std::fs::write(
+        dir.path().join("cluster.ini"),
+        "[cluster]\nshards = 4\n[node 1]\nclient = 127.0.0.1:1\npeer = 127.0.0.1:2\n",
+    )
+    .unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy_addr = busy.local_addr().unwrap().to_string();
+    let snapshots: Vec<(Vec<&str>, i32, String)> = vec![
+        (
+            vec!["cluster", "add-node"],
+            2,
+            "tollgate: the following required arguments were not provided: --client <CLIENT>, --peer <PEER>, <ID> (see 'tollgate cluster add-node --help')".into(),
+        ),
+        (
+            vec!["serve", "--lisen", "127.0.0.1:0"],
+            2,
+            "tollgate: unexpected argument '--lisen' found; did you mean '--listen'? (see 'tollgate serve --help')".into(),
+        ),
+        (
+            vec!["serve", "--backend", "mysql"],
+            2,
+            "tollgate: invalid value 'mysql' for '--backend <BACKEND>'; possible values: memory, redis (see 'tollgate serve --help')".into(),
+        ),
+        (
+            vec!["chek-config", "rules.ini"],
+            2,
+            "tollgate: unrecognized subcommand 'chek-config'; did you mean 'check-config'? (see 'tollgate --help')".into(),
+        ),
+        (
+            vec!["serve", "--listen", "nowhere"],
+            2,
+            "tollgate: invalid value 'nowhere' for '--listen <ADDR>': expected HOST:PORT (127.0.0.1:8321, localhost:8321, [::1]:8321) or a port (see 'tollgate serve --help')".into(),
+        ),
+        (
+            vec!["serve", "--listen", "127.0.0.1:0", "nope.ini"],
+            1,
+            "tollgate: cannot read nope.ini: No such file or directory (os error 2)".into(),
+        ),
+        (
+            vec!["check-config", "nope.ini"],
+            1,
+            "tollgate: cannot read nope.ini: No such file or directory (os error 2)".into(),
+        ),
+        (
+            vec!["serve", "--listen", "127.0.0.1:0", "rules.txt"],
+            1,
+            "tollgate: rules.txt: unknown rule file type (expected .ini or .json)".into(),
+        ),
+        (
+            vec!["check-config", "rules.txt"],
+            1,
+            "tollgate: rules.txt: unknown rule file type (expected .ini or .json)".into(),
+        ),
+        (
+            vec!["serve", "--listen", &busy_addr],
+            1,
+            format!("tollgate: cannot listen on {busy_addr}: Address already in use (os error 98)"),
+        ),
+        (
+            vec!["serve", "--cluster", "cluster.ini", "--node-id", "1", "--join"],
+            1,
+            "tollgate: a node joining a running cluster needs that cluster's secret: copy the secret file from a member and give --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET); a newly made secret would fail authentication".into(),
+        ),
+        (
+            vec!["serve", "--cluster", "cluster.ini", "--node-id", "1"],
+            1,
+            "tollgate: cluster mode needs the cluster's shared secret, the same on every node: give --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET). For a new cluster make one with `head -c 32 /dev/urandom | base64 > /etc/tollgate/cluster.secret && chmod 600 /etc/tollgate/cluster.secret` and copy it to every node".into(),
+        ),
+        (
+            vec!["cluster", "remove-node", "3", "--node", "127.0.0.1:9"],
+            1,
+            "tollgate: membership requests must prove the cluster's secret: give the secret file the nodes were started with, --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET)".into(),
+        ),
+        (
+            vec!["reload"],
+            2,
+            "tollgate: the following required arguments were not provided: --pid-file <PID_FILE> (see 'tollgate reload --help')".into(),
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (args, code, expected) in &snapshots {
+        let (got_code, stderr) = run_in(dir.path(), args);
+        if got_code != Some(*code) || stderr.trim_end() != expected {
+            wrong.push(format!(
+                "tollgate {}: exit {got_code:?}, stderr:\n{stderr}\nexpected exit {code}:\n{expected}",
+                args.join(" ")
+            ));
+        }
+    }
+    drop(busy);
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+#[test]
+fn a_bare_command_prints_its_help_and_exits_2() {
+    for args in [&[][..], &["cluster"][..]] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(stderr.contains("Usage: tollgate"), "{stderr}");
+        assert!(stderr.contains("Commands:"), "{stderr}");
+    }
+}
+
+#[test]
+fn admin_commands_at_a_client_port_say_what_it_is() {
+    let served = serve(&["--listen", "127.0.0.1:0", "--threads", "1"], &[]);
+    let addr = served.addr.to_string();
+    let out = Command::new(BIN)
+        .args(["cluster", "add-node", "4", "--client", "127.0.0.1:1"])
+        .args(["--peer", "127.0.0.1:2", "--node", &addr])
+        .args(["--cluster-secret", "0123456789abcdef0123"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap().trim_end(),
+        format!("tollgate: {addr} is the client port of a Tollgate that does not run in cluster mode; --node takes a cluster member's peer address (its `peer =` line)")
+    );
+}
+
+#[test]
+fn listen_accepts_a_host_name() {
+    let served = serve(&["--listen", "localhost:0", "--threads", "1"], &[]);
+    assert!(served.addr.ip().is_loopback(), "{}", served.addr);
+    let mut stream = util::connect(served.addr);
+    assert_eq!(
+        util::request(&mut stream, "HIT method=GET path=/status"),
+        "OK true 999 60"
+    );
+}

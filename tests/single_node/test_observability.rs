@@ -121,7 +121,9 @@ fn scrape(addr: SocketAddr) -> prometheus_parse::Scrape {
     let answer = http_get(addr, "/metrics");
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert!(
-        answer.headers.contains("text/plain; version=0.0.4"),
+        answer.headers.lines().any(|line| line
+            .trim_end()
+            .eq_ignore_ascii_case("content-type: text/plain; version=0.0.4; charset=utf-8")),
         "{}",
         answer.headers
     );

@@ -1,7 +1,9 @@
-//! Hot reload of a real `tollgate serve` process: SIGHUP via `tollgate
-//! reload` applies a valid file without dropping connections, keeps the
-//! counters of rules whose identity is unchanged, and refuses an invalid file
-//! (logged) while the old rules keep serving, also under load.
+//! Hot reload of a real `tollgate serve` process: `tollgate reload` (the
+//! control socket) and SIGHUP apply a valid file without dropping
+//! connections, keep the counters of rules whose identity is unchanged, and
+//! refuse an invalid file (logged, and `tollgate reload` exits 1 with the
+//! reason) while the old rules keep serving, also under load. A stale pid
+//! file makes `tollgate reload` touch nothing and fail.
 
 use crate::util;
 
@@ -58,14 +60,34 @@ fn serve(dir: &std::path::Path, rules: &std::path::Path) -> Served {
     }
 }
 
-fn reload(served: &Served) {
-    let out = Command::new(BIN)
+fn run_reload(served: &Served) -> std::process::Output {
+    Command::new(BIN)
         .arg("reload")
         .arg("--pid-file")
         .arg(&served.pid_file)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// `tollgate reload` succeeds and says what the server loaded.
+fn reload(served: &Served) {
+    let out = run_reload(served);
     assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.starts_with(&format!(
+            "tollgate: process {}: reloaded ",
+            served.child.id()
+        )),
+        "{stdout}"
+    );
+}
+
+/// `tollgate reload` fails with the server's reason; returns its stderr.
+fn reload_refused(served: &Served) -> String {
+    let out = run_reload(served);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    String::from_utf8(out.stderr).unwrap()
 }
 
 /// Repeats `line` on a fresh connection until the answer is `expected`.
@@ -111,7 +133,15 @@ fn valid_reload_applies_without_dropping_connections_and_keeps_counters() {
         "[op=a]\ncreditLimit=-1\nresetSeconds=60\n[default]\ncreditLimit=0\n",
     )
     .unwrap();
-    reload(&served);
+    let refused = reload_refused(&served);
+    assert_eq!(
+        refused.trim_end(),
+        format!(
+            "tollgate: process {} kept its rules: {}: rule [op=a] (line 1): creditLimit must be a number >= 0, got '-1'",
+            served.child.id(),
+            rules.display()
+        )
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     while !std::fs::read_to_string(&served.log)
         .unwrap()
@@ -169,4 +199,64 @@ fn identity_preserving_reloads_under_load_admit_exactly_the_limit() {
     let admitted: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
     // 4 × 200 hits against a limit of 300 kept in one counter across five reloads.
     assert_eq!(admitted, LIMIT);
+}
+
+#[test]
+fn sighup_still_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.ini");
+    std::fs::write(&rules, RULES_A).unwrap();
+    let served = serve(dir.path(), &rules);
+    std::fs::write(&rules, RULES_B).unwrap();
+    let status = Command::new("kill")
+        .args(["-HUP", &served.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    wait_for_answer(served.addr, "PEEK op=b", "OK true 0 60");
+}
+
+#[test]
+fn a_stale_pid_file_signals_nothing_and_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    // An unrelated process holds the pid the file names; SIGHUP would end it.
+    let mut unrelated = Command::new("sleep").arg("30").spawn().unwrap();
+    let pid_file = dir.path().join("tollgate.pid");
+    std::fs::write(&pid_file, format!("{}\n", unrelated.id())).unwrap();
+    let reload = || util::reload_command(&["--pid-file".as_ref(), pid_file.as_os_str()]);
+    let out = reload();
+    std::thread::sleep(Duration::from_millis(200));
+    let still_running = unrelated.try_wait().unwrap().is_none();
+    let _ = unrelated.kill();
+    let _ = unrelated.wait();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(still_running, "the unrelated process was signalled");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(
+        stderr.trim_end(),
+        format!(
+            "tollgate: no Tollgate server answers for process {pid} (process {pid} is `sleep`; its control socket: Connection refused (os error 111)); nothing was signalled",
+            pid = unrelated.id()
+        )
+    );
+
+    // A pid file of a process that is gone, and one that holds no pid.
+    std::fs::write(&pid_file, "999999999\n").unwrap();
+    let out = reload();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("(there is no process 999999999; "),
+        "{stderr}"
+    );
+    std::fs::write(&pid_file, "tollgate\n").unwrap();
+    let out = reload();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap().trim_end(),
+        format!(
+            "tollgate: {} does not hold a process id: \"tollgate\": invalid digit found in string",
+            pid_file.display()
+        )
+    );
 }

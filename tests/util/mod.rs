@@ -184,3 +184,73 @@ pub fn on_clock(clock: Arc<dyn Clock>) -> Hooks {
         ..Hooks::default()
     }
 }
+
+/// A `tollgate serve` process of the real binary on 127.0.0.1 port 0, its
+/// stderr (logs) in a file; killed when dropped.
+pub struct ServedBinary {
+    pub child: std::process::Child,
+    pub addr: SocketAddr,
+    pub log: std::path::PathBuf,
+}
+
+impl ServedBinary {
+    /// Starts `tollgate serve --threads 1 --listen 127.0.0.1:0 ARGS`, logging
+    /// to `DIR/serve.log`, and waits for its listening line.
+    pub fn start(dir: &std::path::Path, args: &[&std::ffi::OsStr]) -> ServedBinary {
+        use std::io::BufRead;
+        let log = dir.join("serve.log");
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["serve", "--threads", "1", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .parse()
+            .unwrap();
+        ServedBinary { child, addr, log }
+    }
+
+    /// Waits (at most 10 s) until the log holds `needle` `count` times;
+    /// returns the log.
+    pub fn wait_for_log(&self, count: usize, needle: &str) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = std::fs::read_to_string(&self.log).unwrap();
+            if log.matches(needle).count() >= count {
+                return log;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{count} x {needle:?} not logged: {log}"
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
+
+impl Drop for ServedBinary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `tollgate reload ARGS`.
+pub fn reload_command(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("reload")
+        .args(args)
+        .output()
+        .unwrap()
+}

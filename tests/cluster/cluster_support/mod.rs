@@ -75,9 +75,18 @@ pub fn write_secret_file(path: &Path, secrets: &[&str]) {
 
 /// Ports that were free a moment ago (bound to port 0, then released).
 pub fn free_ports(count: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..count)
+    ports_of(&reserve_ports(count))
+}
+
+/// `count` free ports, held until the listeners are dropped: what else
+/// binds port 0 meanwhile (a proxy) cannot be given one of them.
+fn reserve_ports(count: usize) -> Vec<TcpListener> {
+    (0..count)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind port 0"))
-        .collect();
+        .collect()
+}
+
+fn ports_of(listeners: &[TcpListener]) -> Vec<u16> {
     listeners
         .iter()
         .map(|l| l.local_addr().unwrap().port())
@@ -110,6 +119,9 @@ pub struct TestCluster {
     pub proxies: BTreeMap<(u64, u64), Proxy>,
     /// The shared secret file every node is started with ([`SECRET`]).
     pub secret_path: PathBuf,
+    /// With [`TestCluster::start_observed`]: each node's HTTP metrics and
+    /// health listener (`--metrics-listen`, metrics at `/metrics`).
+    pub metrics: BTreeMap<u64, SocketAddr>,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -138,9 +150,38 @@ impl TestCluster {
         Self::start_with(count, shards, args, true)
     }
 
+    /// Like [`TestCluster::start`] (proxied or not), every node also serving
+    /// `/metrics`, `/healthz` and `/readyz` on its own port
+    /// ([`TestCluster::metrics_addr`]).
+    pub fn start_observed(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
+        Self::start_full(count, shards, args, proxied, true)
+    }
+
     fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
+        Self::start_full(count, shards, args, proxied, false)
+    }
+
+    fn start_full(
+        count: usize,
+        shards: u32,
+        args: &[&str],
+        proxied: bool,
+        observed: bool,
+    ) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
-        let ports = free_ports(count * 2);
+        // Every port the nodes will bind (clients, peers, metrics) stays
+        // taken until the proxies are bound, which could be given one of
+        // them otherwise.
+        let reserved = reserve_ports(count * if observed { 3 } else { 2 });
+        let ports = ports_of(&reserved);
+        let metrics: BTreeMap<u64, SocketAddr> = if observed {
+            (1..=count as u64)
+                .zip(&ports[count * 2..])
+                .map(|(id, &port)| (id, SocketAddr::from(([127, 0, 0, 1], port))))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
         let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n");
         let mut nodes = Vec::new();
         for i in 0..count {
@@ -170,6 +211,7 @@ impl TestCluster {
                 }
             }
         }
+        drop(reserved);
         let secret_path = dir.path().join("cluster.secret");
         write_secret_file(&secret_path, &[SECRET]);
         let mut cluster = TestCluster {
@@ -180,6 +222,7 @@ impl TestCluster {
             cluster_path,
             proxies,
             secret_path,
+            metrics,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -190,6 +233,14 @@ impl TestCluster {
 
     fn node(&mut self, id: u64) -> &mut Node {
         &mut self.nodes[(id - 1) as usize]
+    }
+
+    /// Node `id`'s metrics and health listener (observed clusters only).
+    pub fn metrics_addr(&self, id: u64) -> SocketAddr {
+        *self
+            .metrics
+            .get(&id)
+            .unwrap_or_else(|| panic!("node {id} serves no metrics: use start_observed"))
     }
 
     pub fn client(&self, id: u64) -> SocketAddr {
@@ -216,6 +267,14 @@ impl TestCluster {
             args.push("--peer-route".to_string());
             args.push(format!("{to}={}", proxy.addr));
         }
+        if let Some(addr) = self.metrics.get(&id) {
+            args.extend([
+                "--metrics-listen".to_string(),
+                addr.to_string(),
+                "--metrics-path".to_string(),
+                "/metrics".to_string(),
+            ]);
+        }
         let node = self.node(id);
         node.restarts += 1;
         let log =
@@ -232,7 +291,7 @@ impl TestCluster {
             .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&args)
             .arg(&rules)
-            .stdout(Stdio::null())
+            .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("spawn tollgate");
@@ -273,7 +332,7 @@ impl TestCluster {
             .env_remove("TOLLGATE_CLUSTER_SECRET")
             .args(&self.args)
             .arg(&self.rules_path)
-            .stdout(Stdio::null())
+            .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("spawn tollgate");
@@ -431,6 +490,8 @@ impl TestCluster {
         }
     }
 
+    /// What node `id` (its latest start) wrote: its log on stderr and its
+    /// `tollgate: listening on …` lines on stdout.
     pub fn log(&self, id: u64) -> String {
         let restarts = self.nodes[(id - 1) as usize].restarts;
         std::fs::read_to_string(self.dir.path().join(format!("node{id}-{restarts}.log")))
@@ -773,4 +834,31 @@ pub fn wait_shards_serve(addr: SocketAddr, shards: u32, bound: Duration) -> Dura
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `GET path` over HTTP/1.1 on a fresh connection: the status code and the
+/// body; `None` when the server does not answer.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::Read;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split(' ').nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_string();
+    Some((status, body))
+}
+
+/// The value of the Prometheus sample `series` (name and labels, exactly as
+/// exposed) at `addr`'s `/metrics`.
+pub fn metric(addr: SocketAddr, series: &str) -> Option<f64> {
+    let (_, body) = http_get(addr, "/metrics")?;
+    body.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
 }
