@@ -89,9 +89,21 @@ fn peek_credit(addr: SocketAddr, path: &str, user: &str) -> (bool, i64) {
     (allowed, credit)
 }
 
+/// A move's latency budgets for this test: the hits' longest wait for a
+/// leader and for a commit. The property under test is that moves cost no
+/// errors, only latency; with the defaults (2 s and 1 s) a suite running
+/// two clusters at once on two loaded cores sometimes needs more, so the
+/// budgets here are the machine's, not the product's.
+const MOVE_TIME_BUDGETS: &[&str] = &[
+    "--forward-timeout-ms",
+    "10000",
+    "--commit-timeout-ms",
+    "5000",
+];
+
 #[test]
 fn no_errors_while_a_node_joins_and_another_leaves_under_load_on_every_node() {
-    let mut cluster = TestCluster::start(3, 64, &[]);
+    let mut cluster = TestCluster::start(3, 64, MOVE_TIME_BUDGETS);
     cluster.wait_healthy(Duration::from_secs(20));
     let keeper: Vec<String> = (0..150)
         .map(|_| "HIT path=/limited user=keeper".to_string())
@@ -215,7 +227,9 @@ fn handover_to_a_lost_successor(loss: Loss) {
         Loss::Kill => TestCluster::start(4, 16, &[]),
         Loss::Blackhole => TestCluster::start_proxied(4, 16, &[]),
     };
-    let topology = cluster.wait_healthy(Duration::from_secs(20));
+    // Leader balancing may still be handing shards over after the start:
+    // wait until it is done, so that the shards chosen below stay node 1's.
+    let topology = cluster.wait_leaders_stable(Duration::from_secs(3), Duration::from_secs(40));
     // Actors of the shards node 1 leads, so that losing node 2 breaks no
     // hit in flight: every hit goes to node 1, or to its successor.
     let led_by_1: Vec<u32> = topology

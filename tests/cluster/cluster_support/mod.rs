@@ -508,6 +508,32 @@ impl TestCluster {
 
     /// Waits until every live node answers and every shard has a leader
     /// with no recovering replica on a live node.
+    /// Waits until the cluster is healthy and no shard's leader has changed
+    /// for `quiet` (leader balancing hands over at most one shard per node
+    /// per second: a `quiet` of a few seconds means it is done).
+    pub fn wait_leaders_stable(&self, quiet: Duration, timeout: Duration) -> Topology {
+        let deadline = Instant::now() + timeout;
+        let leaders =
+            |t: &Topology| -> Vec<Option<u64>> { t.placement.iter().map(|s| s.leader).collect() };
+        let mut last = self.wait_healthy(timeout);
+        let mut since = Instant::now();
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = self.wait_healthy(deadline.saturating_duration_since(Instant::now()));
+            if leaders(&now) != leaders(&last) {
+                since = Instant::now();
+            } else if since.elapsed() >= quiet {
+                return now;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "leaders still changing after {timeout:?}: {}",
+                tollgate::cluster::status::render(&now)
+            );
+            last = now;
+        }
+    }
+
     pub fn wait_healthy(&self, timeout: Duration) -> Topology {
         let deadline = Instant::now() + timeout;
         let live: Vec<u64> = self
