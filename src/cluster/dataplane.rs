@@ -73,6 +73,8 @@ pub struct DataStats {
     pub frames_written: AtomicU64,
     pub bytes_written: AtomicU64,
     pub dropped_at_cap: AtomicU64,
+    /// Peer connections closed unanswered: too many handshakes in progress.
+    pub handshakes_refused: AtomicU64,
 }
 
 impl DataStats {

@@ -9,21 +9,53 @@
 use super::auth::{self, PeerSecrets};
 use super::codec;
 use super::data_frames::DATA_FRAME_ID;
+use super::dataplane::DataStats;
 use super::node::ClusterNode;
 use super::wire::{Hello, PeerRequest, PeerResponse};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+/// The warning about refused handshakes is logged at most this often.
+const HANDSHAKE_REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Handshakes in progress at most: a connection accepted beyond it is
+/// closed at once (and counted), so a flood of connections that never
+/// authenticate holds at most this many sockets and tasks for at most
+/// [`auth::AUTH_TIMEOUT_MS`] each. Established peer connections are not
+/// affected, and a refused peer dials again.
+pub const PEER_HANDSHAKES_MAX: usize = 64;
 
 /// Serves the peer port until the process ends.
 pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>, secrets: Arc<PeerSecrets>) {
+    let handshakes = Arc::new(Semaphore::new(PEER_HANDSHAKES_MAX));
+    let mut refusals_logged_at: Option<Instant> = None;
     loop {
         match listener.accept().await {
             Ok((stream, remote)) => {
+                let Ok(handshake) = Arc::clone(&handshakes).try_acquire_owned() else {
+                    drop(stream);
+                    DataStats::add(&node.dp.stats.handshakes_refused, 1);
+                    if refusals_logged_at
+                        .is_none_or(|at| at.elapsed() >= HANDSHAKE_REFUSAL_LOG_INTERVAL)
+                    {
+                        refusals_logged_at = Some(Instant::now());
+                        tracing::warn!(
+                            "closing peer connections at once: {PEER_HANDSHAKES_MAX} handshakes in progress (latest from {remote}); tollgate_cluster_peer_handshakes_refused_total counts them"
+                        );
+                    }
+                    continue;
+                };
                 let secrets = Arc::clone(&secrets);
-                tokio::spawn(serve_peer(stream, remote, Arc::clone(&node), secrets));
+                tokio::spawn(serve_peer(
+                    stream,
+                    remote,
+                    Arc::clone(&node),
+                    secrets,
+                    handshake,
+                ));
             }
             Err(error) => {
                 tracing::warn!(%error, "peer accept failed");
@@ -64,9 +96,12 @@ async fn serve_peer(
     remote: std::net::SocketAddr,
     node: Arc<ClusterNode>,
     secrets: Arc<PeerSecrets>,
+    handshake: OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
-    if !auth::accept_peer(&mut stream, Some(remote), &secrets).await {
+    let accepted = auth::accept_peer(&mut stream, Some(remote), &secrets).await;
+    drop(handshake);
+    if !accepted {
         return;
     }
     let (read_half, mut write_half) = stream.into_split();

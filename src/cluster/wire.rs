@@ -167,6 +167,8 @@ pub struct NodeStats {
     pub writes: u64,
     pub frames_written: u64,
     pub bytes_written: u64,
+    /// Peer connections closed at once: too many handshakes in progress.
+    pub handshakes_refused: u64,
 }
 
 impl NodeStats {
@@ -186,6 +188,7 @@ impl NodeStats {
             writes: stats.writes.load(Relaxed),
             frames_written: stats.frames_written.load(Relaxed),
             bytes_written: stats.bytes_written.load(Relaxed),
+            handshakes_refused: stats.handshakes_refused.load(Relaxed),
         }
     }
 }

@@ -188,7 +188,7 @@ const STATSD_DROPPED: Family = Family {
 };
 
 /// A cluster node's counters: `(family, value)`.
-fn cluster_counters(snapshot: &ClusterSnapshot) -> [(&'static Family, u64); 13] {
+fn cluster_counters(snapshot: &ClusterSnapshot) -> [(&'static Family, u64); 14] {
     let s = &snapshot.stats;
     [
         (&CLUSTER_ROUNDS, s.rounds),
@@ -204,6 +204,7 @@ fn cluster_counters(snapshot: &ClusterSnapshot) -> [(&'static Family, u64); 13] 
         (&CLUSTER_PEER_WRITES, s.writes),
         (&CLUSTER_PEER_FRAMES, s.frames_written),
         (&CLUSTER_PEER_BYTES, s.bytes_written),
+        (&CLUSTER_HANDSHAKES_REFUSED, s.handshakes_refused),
     ]
 }
 
@@ -280,6 +281,12 @@ cluster_family!(
     "Writes (system calls) to peer connections."
 );
 cluster_family!(
+    CLUSTER_HANDSHAKES_REFUSED,
+    "tollgate_cluster_peer_handshakes_refused_total",
+    MetricType::COUNTER,
+    "Peer connections closed unanswered because too many handshakes were in progress."
+);
+cluster_family!(
     CLUSTER_PEER_FRAMES,
     "tollgate_cluster_peer_frames_total",
     MetricType::COUNTER,
@@ -300,7 +307,7 @@ cluster_family!(
 cluster_family!(CLUSTER_SHARDS_UNSERVABLE, "tollgate_cluster_shards_unservable", MetricType::GAUGE,
     "Shards a hit sent to this node could not be decided for now (no leader, or the leader unreachable).");
 
-const FAMILIES: [&Family; 31] = [
+const FAMILIES: [&Family; 32] = [
     &CLUSTER_ROUNDS,
     &CLUSTER_ROUND_SECTIONS,
     &CLUSTER_STATES_REPLICATED,
@@ -314,6 +321,7 @@ const FAMILIES: [&Family; 31] = [
     &CLUSTER_PEER_WRITES,
     &CLUSTER_PEER_FRAMES,
     &CLUSTER_PEER_BYTES,
+    &CLUSTER_HANDSHAKES_REFUSED,
     &CLUSTER_SHARDS_LED,
     &CLUSTER_SHARDS_UNSERVABLE,
     &DIVVY_CONNECTIONS,

@@ -199,3 +199,88 @@ fn cluster_mode_without_a_secret_refuses_to_start() {
     let stderr = serve(&["--cluster-secret-file", empty.to_str().unwrap()]);
     assert!(stderr.contains("empty.secret holds no secret"), "{stderr}");
 }
+
+/// A stranger holding ten thousand connections to a node's peer port, none
+/// of which ever authenticates, does not stop the cluster: at most
+/// `PEER_HANDSHAKES_MAX` of them are given a handshake at a time, the rest
+/// are closed at once and counted, and hits keep flowing between the nodes
+/// over their established links.
+#[test]
+fn a_flood_of_handshakes_does_not_stop_peers_from_talking() {
+    let cluster = TestCluster::start_observed(3, 8, &[], false);
+    let topology = cluster.wait_healthy(Duration::from_secs(20));
+    let metrics = cluster.metrics_addr(1);
+    let refused = "tollgate_cluster_peer_handshakes_refused_total";
+    assert_eq!(metric(metrics, refused), Some(0.0));
+    // Actors of shards node 1 leads, asked through node 2: every hit
+    // crosses node 1's peer port (forwarded there, replicated from there).
+    let led_by_1: Vec<u32> = topology
+        .placement
+        .iter()
+        .filter(|s| s.leader == Some(1))
+        .map(|s| s.shard)
+        .collect();
+    assert!(!led_by_1.is_empty(), "node 1 leads nothing");
+    let actors: Vec<String> = (0..)
+        .map(|i| format!("flood{i}"))
+        .filter(|user| led_by_1.contains(&shard_of_user(8, "path=/big", 1_000_000, 600, user)))
+        .take(20)
+        .collect();
+    let hits: Vec<String> = actors
+        .iter()
+        .map(|user| format!("HIT path=/big user={user}"))
+        .collect();
+
+    let flood_size = 10_000;
+    let peer = cluster.nodes[0].peer;
+    let mut flood = Vec::with_capacity(flood_size);
+    let mut connect_errors = 0;
+    for _ in 0..flood_size {
+        // A full accept queue may turn a few away: a flood all the same.
+        match TcpStream::connect_timeout(&peer, Duration::from_secs(2)) {
+            Ok(stream) => flood.push(stream),
+            Err(_) => connect_errors += 1,
+        }
+    }
+    assert!(
+        flood.len() >= flood_size * 9 / 10,
+        "{connect_errors} of {flood_size} connections failed"
+    );
+    // Every connection beyond the handshakes in progress is closed unanswered
+    // (a few more get a handshake as earlier ones time out after 2 s).
+    let expected = (flood.len() - 1_000) as f64;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut counted = 0.0;
+    while Instant::now() < deadline {
+        counted = metric(metrics, refused).unwrap();
+        if counted >= expected {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        counted >= expected,
+        "only {counted} of {} connections refused",
+        flood.len()
+    );
+    for round in 0..3 {
+        let answers = converse(cluster.client(2), &hits);
+        assert!(
+            answers.iter().all(|a| a.starts_with("OK true")),
+            "round {round} during the flood: {answers:?}"
+        );
+    }
+    drop(flood);
+    let answers = converse(cluster.client(3), &hits);
+    assert!(
+        answers.iter().all(|a| a.starts_with("OK true")),
+        "{answers:?}"
+    );
+    assert!(
+        cluster
+            .log(1)
+            .contains("closing peer connections at once: 64 handshakes in progress"),
+        "{}",
+        cluster.log(1)
+    );
+}
