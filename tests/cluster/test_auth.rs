@@ -214,18 +214,7 @@ fn a_flood_of_handshakes_does_not_stop_peers_from_talking() {
     assert_eq!(metric(metrics, refused), Some(0.0));
     // Actors of shards node 1 leads, asked through node 2: every hit
     // crosses node 1's peer port (forwarded there, replicated from there).
-    let led_by_1: Vec<u32> = topology
-        .placement
-        .iter()
-        .filter(|s| s.leader == Some(1))
-        .map(|s| s.shard)
-        .collect();
-    assert!(!led_by_1.is_empty(), "node 1 leads nothing");
-    let actors: Vec<String> = (0..)
-        .map(|i| format!("flood{i}"))
-        .filter(|user| led_by_1.contains(&shard_of_user(8, "path=/big", 1_000_000, 600, user)))
-        .take(20)
-        .collect();
+    let actors = users_led_by(&topology, 8, 1, "flood", 20);
     let hits: Vec<String> = actors
         .iter()
         .map(|user| format!("HIT path=/big user={user}"))

@@ -232,23 +232,7 @@ fn handover_to_a_lost_successor(loss: Loss) {
     let topology = cluster.wait_leaders_stable(Duration::from_secs(3), Duration::from_secs(40));
     // Actors of the shards node 1 leads, so that losing node 2 breaks no
     // hit in flight: every hit goes to node 1, or to its successor.
-    let led_by_1: Vec<u32> = topology
-        .placement
-        .iter()
-        .filter(|s| s.leader == Some(1))
-        .map(|s| s.shard)
-        .collect();
-    assert!(!led_by_1.is_empty(), "node 1 leads nothing");
-    let mut actors = Vec::new();
-    for i in 0.. {
-        let user = format!("h{i}");
-        if led_by_1.contains(&shard_of_user(16, "path=/big", 1_000_000, 600, &user)) {
-            actors.push(user);
-        }
-        if actors.len() == 400 {
-            break;
-        }
-    }
+    let actors = users_led_by(&topology, 16, 1, "h", 400);
     let actors = Arc::new(actors);
     let pick: Arc<dyn Fn(u64) -> String + Send + Sync> = {
         let actors = Arc::clone(&actors);

@@ -823,6 +823,29 @@ pub fn peek_used(addr: SocketAddr, path: &str, limit: i64, user: &str) -> Option
     Some(limit - 1 - credit)
 }
 
+/// `count` users on `path=/big`, named `{prefix}{n}`, whose shards node
+/// `leader` leads in `topology` (a cluster of `shards` shards).
+pub fn users_led_by(
+    topology: &Topology,
+    shards: u32,
+    leader: u64,
+    prefix: &str,
+    count: usize,
+) -> Vec<String> {
+    let led: Vec<u32> = topology
+        .placement
+        .iter()
+        .filter(|s| s.leader == Some(leader))
+        .map(|s| s.shard)
+        .collect();
+    assert!(!led.is_empty(), "node {leader} leads nothing");
+    (0..)
+        .map(|n| format!("{prefix}{n}"))
+        .filter(|user| led.contains(&shard_of_user(shards, "path=/big", 1_000_000, 600, user)))
+        .take(count)
+        .collect()
+}
+
 /// One user per shard on `path=/big`, so probes touch every shard.
 pub fn probe_users(shards: u32) -> Vec<String> {
     let mut users: Vec<Option<String>> = vec![None; shards as usize];
