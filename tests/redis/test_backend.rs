@@ -460,10 +460,12 @@ fn serve_reads_divvys_redis_environment() {
 fn batch_call(conn: &mut redis::Connection, requests: &[(&[String], bool)]) -> Vec<redis::Value> {
     let script = redis::Script::new(BATCH_SCRIPT);
     let mut invocation = script.prepare_invoke();
+    invocation.arg(1).arg(3600).arg(2);
     for (keys, peek) in requests {
-        invocation.arg(keys.len()).arg(u8::from(*peek));
+        let count = keys.len() as i64;
+        invocation.arg(if *peek { -count } else { count });
         for key in keys.iter() {
-            invocation.key(key.as_str()).arg(3600).arg(2);
+            invocation.key(key.as_str()).arg(1);
         }
     }
     invocation.invoke(conn).unwrap()
@@ -523,10 +525,12 @@ fn the_batch_script_steps_each_key_as_divvys_script_does() {
                     .unwrap()
             })
             .collect();
-        assert_eq!(answers.len(), expected.len() * 3);
-        for (got, want) in answers.chunks_exact(3).zip(&expected) {
-            assert_eq!([int(&got[0]), int(&got[1])], [want[0], want[1]]);
-            assert!((int(&got[2]) - want[2]).abs() <= 1, "{got:?} vs {want:?}");
+        assert_eq!(answers.len(), expected.len() * 2);
+        for (got, want) in answers.chunks_exact(2).zip(&expected) {
+            // divvy: allowed, credit, TTL; the batch: credit or -1 (denied), TTL.
+            let (allowed, credit) = (int(&got[0]) >= 0, int(&got[0]).max(0));
+            assert_eq!([i64::from(allowed), credit], [want[0], want[1]], "{got:?}");
+            assert!((int(&got[1]) - want[2]).abs() <= 1, "{got:?} vs {want:?}");
         }
     }
     for i in 0..6 {
@@ -571,28 +575,22 @@ fn a_failing_request_fails_alone_within_a_batch() {
             (&keys[5..6], true),
         ],
     );
-    assert_eq!(answers.len(), 6 * 3, "{answers:?}");
-    assert_eq!(int(&answers[0]), 1, "{answers:?}");
-    assert_eq!(int(&answers[1]), 2, "{answers:?}");
-    for counter in 1..5 {
-        assert_eq!(int(&answers[counter * 3]), -1, "{answers:?}");
-        let redis::Value::BulkString(message) = &answers[counter * 3 + 1] else {
-            panic!("no message: {answers:?}");
-        };
-        assert!(!message.is_empty());
-    }
-    let message = |counter: usize| match &answers[counter * 3 + 1] {
-        redis::Value::BulkString(text) => String::from_utf8_lossy(text).into_owned(),
-        other => panic!("{other:?}"),
+    assert_eq!(answers.len(), 6 * 2, "{answers:?}");
+    assert_eq!(int(&answers[0]), 2, "{answers:?}");
+    assert_eq!(int(&answers[1]), 3600, "{answers:?}");
+    let message = |counter: usize| {
+        assert_eq!(int(&answers[counter * 2]), -2, "{answers:?}");
+        match &answers[counter * 2 + 1] {
+            redis::Value::BulkString(text) => String::from_utf8_lossy(text).into_owned(),
+            other => panic!("{other:?}"),
+        }
     };
     assert!(message(1).contains("WRONGTYPE"), "{}", message(1));
     assert_eq!(message(1), message(2));
     assert!(message(3).contains("compare"), "{}", message(3));
+    assert_eq!(message(3), message(4));
     // The peek after them answers a fresh window and creates nothing.
-    assert_eq!(
-        [int(&answers[15]), int(&answers[16]), int(&answers[17])],
-        [1, 2, 3600]
-    );
+    assert_eq!([int(&answers[10]), int(&answers[11])], [2, 3600]);
     let exists = |conn: &mut redis::Connection, key: &String| -> bool { conn.exists(key).unwrap() };
     assert!(exists(&mut conn, &keys[0]));
     assert!(

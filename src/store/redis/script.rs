@@ -12,82 +12,99 @@ use super::client::{Lease, RedisClient, RequestError};
 use crate::limiter::Decision;
 use crate::store::CounterOp;
 use redis::{Cmd, ErrorKind, Value};
+use smallvec::SmallVec;
 
-/// The steps of many requests, in order, in one atomic call. ARGV holds,
-/// per request, the number of its counters, `1` for a `PEEK` (`0` for a
-/// hit), then per counter `resetSeconds` and `creditLimit - 1` (the order of
-/// divvy's own script); KEYS holds the counters' keys in the same order.
+/// The steps of many requests, in order, in one atomic call.
 ///
-/// Per key, a hit is divvy's step: absent → set to `creditLimit - 1` with a
-/// TTL of `resetSeconds`, allow; positive → decrement, allow; otherwise deny
+/// ARGV: the number of distinct quotas `q`, then each quota's
+/// `resetSeconds` and `creditLimit - 1` (the values of divvy's own script),
+/// then per request the number of its counters (negated for a `PEEK`)
+/// followed by each counter's quota number (1 to `q`); KEYS: the counters'
+/// keys, in the same order. A batch's counters mostly share a few quotas,
+/// so each counter costs one argument besides its key.
+///
+/// Per key, a hit is divvy's step: absent → `SET` to `creditLimit - 1` with
+/// a TTL of `resetSeconds`, allow; positive → `DECR`, allow; otherwise deny
 /// with credit 0. A peek answers what a hit would, changing nothing. Each
-/// key answers `allowed, credit, TTL` (Redis rounds the TTL to the nearest
-/// second). A request whose step raised an error (applied counters before it
-/// stay applied, as in a failed call of its own) answers `-1, <message>, 0`
-/// for each of its counters; the requests after it still run.
+/// key answers two numbers: the credit left when allowed (never negative)
+/// or `-1` when denied, then the key's TTL (Redis rounds it to the nearest
+/// second; right after the `SET` it is `resetSeconds`, which is answered
+/// without asking). A request whose step raised an error (its counters
+/// before the failing one stay applied, as in a call of its own) answers
+/// `-2, <message>` for each of its counters; the requests after it still
+/// run.
 pub const BATCH_SCRIPT: &str = r#"-- tollgate fixed-window batch (divvy-compatible steps)
-local function hit(key, reset_seconds, initial_credit, answer)
-  local stored = redis.call('GET', key)
-  local allowed, credit
-  if not stored then
-    redis.call('SET', key, initial_credit, 'EX', reset_seconds)
-    allowed, credit = 1, initial_credit
-  elseif tonumber(stored) > 0 then
-    allowed, credit = 1, redis.call('DECR', key)
-  else
-    allowed, credit = 0, 0
-  end
-  answer[#answer + 1] = allowed
-  answer[#answer + 1] = credit
-  answer[#answer + 1] = redis.call('TTL', key)
+local quotas = tonumber(ARGV[1])
+local resets, credits = {}, {}
+for i = 1, quotas do
+  resets[tostring(i)] = ARGV[2 * i]
+  credits[tostring(i)] = ARGV[2 * i + 1]
 end
 
-local function peek(key, reset_seconds, initial_credit, answer)
+local function hit(key, quota, answer, n)
   local stored = redis.call('GET', key)
   if not stored then
-    answer[#answer + 1] = 1
-    answer[#answer + 1] = initial_credit
-    answer[#answer + 1] = reset_seconds
+    local credit, reset = credits[quota], resets[quota]
+    redis.call('SET', key, credit, 'EX', reset)
+    answer[n + 1] = tonumber(credit)
+    answer[n + 2] = tonumber(reset)
+  elseif tonumber(stored) > 0 then
+    answer[n + 1] = redis.call('DECR', key)
+    answer[n + 2] = redis.call('TTL', key)
+  else
+    answer[n + 1] = -1
+    answer[n + 2] = redis.call('TTL', key)
+  end
+  return n + 2
+end
+
+local function peek(key, quota, answer, n)
+  local stored = redis.call('GET', key)
+  if not stored then
+    answer[n + 1] = tonumber(credits[quota])
+    answer[n + 2] = tonumber(resets[quota])
   else
     local credit = tonumber(stored)
     if credit > 0 then
-      answer[#answer + 1] = 1
-      answer[#answer + 1] = credit - 1
+      answer[n + 1] = credit - 1
     else
-      answer[#answer + 1] = 0
-      answer[#answer + 1] = 0
+      answer[n + 1] = -1
     end
-    answer[#answer + 1] = redis.call('TTL', key)
+    answer[n + 2] = redis.call('TTL', key)
   end
+  return n + 2
 end
 
-local function request(step, count, k, a, answer)
+local function request(step, count, k, a, answer, n)
   for j = 0, count - 1 do
-    step(KEYS[k + j], tonumber(ARGV[a + 2 * j]), tonumber(ARGV[a + 2 * j + 1]), answer)
+    n = step(KEYS[k + j], ARGV[a + j], answer, n)
   end
+  return n
 end
 
-local answer = {}
-local k, a, n = 1, 1, #ARGV
-while a <= n do
+local answer, n = {}, 0
+local k, a, last = 1, 2 * quotas + 2, #ARGV
+while a <= last do
   local count = tonumber(ARGV[a])
   local step = hit
-  if ARGV[a + 1] == '1' then step = peek end
-  local before = #answer
-  local ok, failure = pcall(request, step, count, k, a + 2, answer)
-  if not ok then
-    for i = #answer, before + 1, -1 do answer[i] = nil end
-    local message = failure
-    if type(failure) == 'table' then message = failure.err or 'script error' end
+  if count < 0 then
+    step, count = peek, -count
+  end
+  local ok, result = pcall(request, step, count, k, a + 1, answer, n)
+  if ok then
+    n = result
+  else
+    local message = result
+    if type(result) == 'table' then message = result.err or 'script error' end
     message = tostring(message)
     for _ = 1, count do
-      answer[#answer + 1] = -1
-      answer[#answer + 1] = message
-      answer[#answer + 1] = 0
+      answer[n + 1] = -2
+      answer[n + 2] = message
+      n = n + 2
     end
   end
   k = k + count
-  a = a + 2 + 2 * count
+  a = a + 1 + count
 end
 return answer
 "#;
@@ -159,8 +176,11 @@ pub struct ScriptCall {
     /// The keys, back to back; key `i` ends at `key_ends[i]`.
     key_bytes: Vec<u8>,
     key_ends: Vec<u32>,
-    /// ARGV, in [`BATCH_SCRIPT`]'s order.
-    argv: Vec<u64>,
+    /// The distinct quotas: `resetSeconds`, `creditLimit - 1`.
+    quotas: SmallVec<[(u64, u64); 4]>,
+    /// Per request: its counter count (negated for a peek), then each
+    /// counter's quota number (from 1).
+    steps: Vec<i64>,
     /// How many counters each request has, in order.
     requests: Vec<u32>,
 }
@@ -176,8 +196,8 @@ impl ScriptCall {
     /// Adds one request's ops (all hits, or all peeks), in order.
     pub fn push(&mut self, ops: &[CounterOp<'_>]) {
         let peek = ops.iter().any(|op| op.peek);
-        self.argv.push(ops.len() as u64);
-        self.argv.push(u64::from(peek));
+        let count = ops.len() as i64;
+        self.steps.push(if peek { -count } else { count });
         for op in ops {
             let credit_limit = op.quota.credit_limit();
             let reset_seconds = op.quota.period_ms() / 1000;
@@ -189,8 +209,15 @@ impl ScriptCall {
                 reset_seconds,
             );
             self.key_ends.push(self.key_bytes.len() as u32);
-            self.argv.push(reset_seconds);
-            self.argv.push(credit_limit - 1);
+            let quota = (reset_seconds, credit_limit - 1);
+            let number = match self.quotas.iter().position(|&known| known == quota) {
+                Some(index) => index + 1,
+                None => {
+                    self.quotas.push(quota);
+                    self.quotas.len()
+                }
+            };
+            self.steps.push(number as i64);
         }
         self.requests.push(ops.len() as u32);
     }
@@ -234,8 +261,12 @@ impl ScriptCall {
         for key in self.keys() {
             command.arg(key);
         }
-        for &argument in &self.argv {
-            command.arg(argument);
+        command.arg(self.quotas.len());
+        for &(reset_seconds, initial_credit) in &self.quotas {
+            command.arg(reset_seconds).arg(initial_credit);
+        }
+        for &step in &self.steps {
+            command.arg(step);
         }
         command
     }
@@ -274,35 +305,32 @@ pub enum ScriptError {
     Reply(String),
 }
 
-/// Reads `allowed, credit, ttl` per key (`-1, message, 0` for the keys of a
-/// request that failed).
+/// Reads `credit (or -1: denied), ttl` per key (`-2, message` for the keys
+/// of a request that failed).
 fn parse_reply(reply: Value, expected: usize) -> Result<Vec<CounterAnswer>, ScriptError> {
     let Value::Array(values) = reply else {
         return Err(ScriptError::Reply(format!("{reply:?}")));
     };
-    if values.len() != expected * 3 {
+    if values.len() != expected * 2 {
         return Err(ScriptError::Reply(format!(
             "{} values for {expected} counters",
             values.len()
         )));
     }
-    let number = |value: &Value| match *value {
-        Value::Int(number) => Ok(number),
-        ref other => Err(ScriptError::Reply(format!(
-            "{other:?} where a number belongs"
-        ))),
-    };
     values
-        .chunks_exact(3)
-        .map(|triple| match (&triple[0], &triple[1]) {
-            (Value::Int(-1), Value::BulkString(message)) => {
+        .chunks_exact(2)
+        .map(|pair| match pair {
+            [Value::Int(-2), Value::BulkString(message)] => {
                 Ok(Err(String::from_utf8_lossy(message).into_owned()))
             }
-            _ => Ok(Ok(Decision {
-                allowed: number(&triple[0])? == 1,
-                credit: number(&triple[1])?,
-                next_reset_seconds: number(&triple[2])?,
-            })),
+            &[Value::Int(credit), Value::Int(next_reset_seconds)] if credit >= -1 => {
+                Ok(Ok(Decision {
+                    allowed: credit >= 0,
+                    credit: credit.max(0),
+                    next_reset_seconds,
+                }))
+            }
+            other => Err(ScriptError::Reply(format!("{other:?} for a counter"))),
         })
         .collect()
 }
@@ -322,7 +350,7 @@ mod tests {
 
     #[test]
     fn replies_parse_per_counter_and_wrong_shapes_are_errors() {
-        let reply = Value::Array([1, 2, 3600, 0, 0, 12].into_iter().map(Value::Int).collect());
+        let reply = Value::Array([2, 3600, -1, 12].into_iter().map(Value::Int).collect());
         let decisions = parse_reply(reply, 2).unwrap();
         assert_eq!(
             decisions.as_slice(),
@@ -345,47 +373,51 @@ mod tests {
             parse_reply(Value::Nil, 1),
             Err(ScriptError::Reply(_))
         ));
-        let text = Value::Array(vec![
-            Value::Int(1),
-            Value::BulkString(b"2".to_vec()),
-            Value::Int(3),
-        ]);
+        let text = Value::Array(vec![Value::BulkString(b"2".to_vec()), Value::Int(3)]);
         assert!(matches!(parse_reply(text, 1), Err(ScriptError::Reply(_))));
+        let below = Value::Array(vec![Value::Int(-3), Value::Int(3)]);
+        assert!(matches!(parse_reply(below, 1), Err(ScriptError::Reply(_))));
     }
 
     #[test]
     fn a_failed_request_answers_its_message_per_counter() {
         let failed = |message: &str| {
             [
-                Value::Int(-1),
+                Value::Int(-2),
                 Value::BulkString(message.as_bytes().to_vec()),
-                Value::Int(0),
             ]
         };
-        let mut values = vec![Value::Int(1), Value::Int(0), Value::Int(60)];
+        let mut values = vec![Value::Int(0), Value::Int(60)];
         values.extend(failed("WRONGTYPE nope"));
         values.extend(failed("WRONGTYPE nope"));
         let answers = parse_reply(Value::Array(values), 3).unwrap();
-        assert!(answers[0].is_ok());
+        assert_eq!(
+            answers[0],
+            Ok(Decision {
+                allowed: true,
+                credit: 0,
+                next_reset_seconds: 60
+            })
+        );
         assert_eq!(answers[1], Err("WRONGTYPE nope".to_string()));
         assert_eq!(answers[2], Err("WRONGTYPE nope".to_string()));
     }
 
     #[test]
-    fn a_call_lays_out_keys_and_arguments_per_request() {
+    fn a_call_lays_out_keys_quotas_and_steps_per_request() {
         let rules = crate::rules::RuleSet::from_ini(
             "[route=a]\ncreditLimit = 3\nresetSeconds = 60\nactorField = user\n[default]\ncreditLimit = 5\nresetSeconds = 10\n",
         )
         .unwrap();
         let rule = &rules.rules()[0];
-        let op = |actor, peek| CounterOp {
+        let op = |actor, limit, peek| CounterOp {
             rule,
             actor,
-            quota: crate::limiter::WindowQuota::new(3, 60).unwrap(),
+            quota: crate::limiter::WindowQuota::new(limit, 60).unwrap(),
             peek,
         };
-        let mut call = ScriptCall::new(&[op("u1", false), op("u2", false)]);
-        call.push(&[op("u3", true)]);
+        let mut call = ScriptCall::new(&[op("u1", 3, false), op("u2", 7, false)]);
+        call.push(&[op("u3", 3, true)]);
         assert_eq!(call.len(), 3);
         assert_eq!(call.requests(), &[2, 1]);
         let keys: Vec<&[u8]> = call.keys().collect();
@@ -393,10 +425,11 @@ mod tests {
             keys,
             [
                 &b"divvy:route=a:u1:3:60"[..],
-                b"divvy:route=a:u2:3:60",
+                b"divvy:route=a:u2:7:60",
                 b"divvy:route=a:u3:3:60"
             ]
         );
-        assert_eq!(call.argv, [2, 0, 60, 2, 60, 2, 1, 1, 60, 2]);
+        assert_eq!(call.quotas.as_slice(), &[(60, 2), (60, 6)]);
+        assert_eq!(call.steps, [2, 1, 2, -1, 1]);
     }
 }
