@@ -1,7 +1,12 @@
 //! The in-memory counter store: a power-of-two number of cache-padded,
 //! `parking_lot`-locked stripes, each a `hashbrown` table of 32-byte-aligned
-//! slots. A key is hashed once (ahash); distinct bit ranges of that hash
-//! pick the stripe and the slot, so the two are independent.
+//! slots. A key is hashed once; distinct bit ranges of that hash pick the
+//! stripe and the slot, so the two are independent. A short key is laid out
+//! as its slot's head in three words, read straight from the key's bytes
+//! (no copy through memory), hashed from those words by two folded
+//! multiplications and compared as three words; a longer key is hashed
+//! with ahash. Callers whose key is an 8-byte prefix and a rest (a rule's
+//! identity and an actor) pass the two parts, and no key is assembled.
 //!
 //! A slot holds the key itself when it is short ([`INLINE_KEY_BYTES_MAX`]
 //! bytes) and the state in its packed form ([`StoredState::pack`]), so the
@@ -169,6 +174,28 @@ struct Slot<P> {
 }
 
 impl<P: Copy> Slot<P> {
+    /// The head as three little-endian words (as [`KeyBytes::head`] lays a key out).
+    #[inline(always)]
+    fn head_words(&self) -> [u64; 3] {
+        let word = |i: usize| {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(&self.head[8 * i..8 * i + 8]);
+            u64::from_le_bytes(bytes)
+        };
+        [word(0), word(1), word(2)]
+    }
+
+    fn inline(head: [u64; 3], packed: P) -> Slot<P> {
+        let mut bytes = [0u8; INLINE_KEY_BYTES_MAX + 1];
+        for (chunk, word) in bytes.chunks_exact_mut(8).zip(head) {
+            chunk.copy_from_slice(&word.to_le_bytes());
+        }
+        Slot {
+            head: bytes,
+            packed,
+        }
+    }
+
     fn inline_key(&self) -> Option<&[u8]> {
         let len = usize::from(self.head[0]);
         (len <= INLINE_KEY_BYTES_MAX).then(|| &self.head[1..1 + len])
@@ -195,24 +222,118 @@ impl<P: Copy> Slot<P> {
     }
 }
 
-/// A key as a lookup compares it: hashed once, and when short, laid out as a
-/// slot's head.
-struct Probe<'k> {
-    key: &'k [u8],
-    hash: u64,
-    head: Option<[u8; INLINE_KEY_BYTES_MAX + 1]>,
+/// `s[start..start + n]` (`n` at most 8) as a little-endian word, zero
+/// extended, read with at most two loads and no copy.
+#[inline(always)]
+fn load_le(s: &[u8], start: usize, n: usize) -> u64 {
+    if n == 0 {
+        return 0;
+    }
+    let b = &s[start..start + n];
+    let u32_at = |i: usize| u64::from(u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]));
+    match n {
+        8.. => {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(&b[..8]);
+            u64::from_le_bytes(bytes)
+        }
+        // Two overlapping loads: the bytes both cover land on the same bits.
+        4..=7 => u32_at(0) | u32_at(n - 4) << (8 * (n - 4)),
+        _ => {
+            u64::from(b[0])
+                | u64::from(b[n / 2]) << (8 * (n / 2))
+                | u64::from(b[n - 1]) << (8 * (n - 1))
+        }
+    }
 }
 
-impl<'k> Probe<'k> {
-    fn new(key: &'k [u8], hash: u64) -> Probe<'k> {
-        let head = (key.len() <= INLINE_KEY_BYTES_MAX).then(|| {
-            let mut head = [0u8; INLINE_KEY_BYTES_MAX + 1];
-            head[0] = key.len() as u8;
-            head[1..1 + key.len()].copy_from_slice(key);
-            head
-        });
-        Probe { key, hash, head }
+/// A key's bytes: whole, or an 8-byte prefix (little endian: a rule's
+/// identity) followed by the rest (an actor).
+#[derive(Clone, Copy)]
+enum KeyBytes<'k> {
+    Whole(&'k [u8]),
+    Prefixed(u64, &'k [u8]),
+}
+
+impl KeyBytes<'_> {
+    fn len(self) -> usize {
+        match self {
+            KeyBytes::Whole(key) => key.len(),
+            KeyBytes::Prefixed(_, rest) => 8 + rest.len(),
+        }
     }
+
+    fn eq_bytes(self, other: &[u8]) -> bool {
+        match self {
+            KeyBytes::Whole(key) => key == other,
+            KeyBytes::Prefixed(prefix, rest) => {
+                other.len() == 8 + rest.len()
+                    && other[..8] == prefix.to_le_bytes()
+                    && other[8..] == *rest
+            }
+        }
+    }
+
+    fn to_boxed(self) -> Box<[u8]> {
+        match self {
+            KeyBytes::Whole(key) => key.into(),
+            KeyBytes::Prefixed(prefix, rest) => {
+                let mut key = Vec::with_capacity(8 + rest.len());
+                key.extend_from_slice(&prefix.to_le_bytes());
+                key.extend_from_slice(rest);
+                key.into()
+            }
+        }
+    }
+
+    /// The head of the slot that holds this key inline, as three words:
+    /// the length byte, then the key's bytes, zero padded; `None` for a key
+    /// longer than [`INLINE_KEY_BYTES_MAX`].
+    #[inline(always)]
+    fn head(self) -> Option<[u64; 3]> {
+        let len = self.len();
+        if len > INLINE_KEY_BYTES_MAX {
+            return None;
+        }
+        Some(match self {
+            KeyBytes::Whole(key) => [
+                len as u64 | load_le(key, 0, len.min(7)) << 8,
+                load_le(key, 7, len.saturating_sub(7).min(8)),
+                load_le(key, 15, len.saturating_sub(15)),
+            ],
+            KeyBytes::Prefixed(prefix, rest) => {
+                let n = rest.len();
+                [
+                    len as u64 | prefix << 8,
+                    prefix >> 56 | load_le(rest, 0, n.min(7)) << 8,
+                    load_le(rest, 7, n.saturating_sub(7)),
+                ]
+            }
+        })
+    }
+}
+
+/// `a * b` as 128 bits, both halves folded into one word.
+#[inline(always)]
+fn folded_multiply(a: u64, b: u64) -> u64 {
+    let product = u128::from(a) * u128::from(b);
+    (product as u64) ^ (product >> 64) as u64
+}
+
+/// Seeds of the short-key hash (fixed, as the long-key hasher's are).
+const HEAD_SEEDS: [u64; 4] = [
+    0x243f_6a88_85a3_08d3,
+    0x1319_8a2e_0370_7344,
+    0xa409_3822_299f_31d0,
+    0x082e_fa98_ec4e_6c89,
+];
+
+/// A key as a lookup compares it: hashed once, and when short, laid out as
+/// a slot's head.
+struct Probe<'k> {
+    key: KeyBytes<'k>,
+    hash: u64,
+    head: Option<[u64; 3]>,
 }
 
 /// A spilled entry: a key longer than a slot holds, or a state that does not
@@ -247,8 +368,8 @@ fn slot_holds<S: StoredState>(
     probe: &Probe<'_>,
     spilled: &[Option<Spilled<S>>],
 ) -> bool {
-    if let Some(head) = &probe.head {
-        if slot.head == *head {
+    if let Some(head) = probe.head {
+        if slot.head_words() == head {
             return true;
         }
     }
@@ -257,7 +378,7 @@ fn slot_holds<S: StoredState>(
         && spilled
             .get(slot.spill_index())
             .and_then(Option::as_ref)
-            .is_some_and(|entry| *entry.key == *probe.key)
+            .is_some_and(|entry| probe.key.eq_bytes(&entry.key))
 }
 
 impl<S: StoredState> Stripe<S> {
@@ -287,11 +408,11 @@ impl<S: StoredState> Stripe<S> {
     fn spill(
         spilled: &mut Vec<Option<Spilled<S>>>,
         free: &mut Vec<u32>,
-        key: &[u8],
+        key: KeyBytes<'_>,
         state: S,
     ) -> u32 {
         let entry = Some(Spilled {
-            key: key.into(),
+            key: key.to_boxed(),
             state,
         });
         match free.pop() {
@@ -416,18 +537,44 @@ impl<S: StoredState> StripedStore<S> {
         }
     }
 
-    fn hash_key(&self, key: &[u8]) -> u64 {
+    /// A key ready to look up: its head (when short) and its hash, from the
+    /// head's words when short, else from its bytes.
+    #[inline(always)]
+    fn probe<'k>(&self, key: KeyBytes<'k>) -> Probe<'k> {
+        let head = key.head();
+        let hash = match head {
+            Some(head) => self.head_hash(head),
+            None => self.long_key_hash(key),
+        };
+        Probe { key, hash, head }
+    }
+
+    #[inline(always)]
+    fn head_hash(&self, [a, b, c]: [u64; 3]) -> u64 {
         #[cfg(test)]
         if let Some(hash) = self.colliding_hash {
             return hash;
         }
-        self.hasher.hash_one(key)
+        let [s0, s1, s2, s3] = HEAD_SEEDS;
+        folded_multiply(folded_multiply(a ^ s0, b ^ s1) ^ c ^ s2, s3)
+    }
+
+    fn long_key_hash(&self, key: KeyBytes<'_>) -> u64 {
+        #[cfg(test)]
+        if let Some(hash) = self.colliding_hash {
+            return hash;
+        }
+        match key {
+            KeyBytes::Whole(key) => self.hasher.hash_one(key),
+            KeyBytes::Prefixed(..) => self.hasher.hash_one(&*key.to_boxed()),
+        }
     }
 
     fn slot_hash(&self, slot: &Slot<S::Packed>) -> u64 {
-        match slot.inline_key() {
-            Some(key) => self.hash_key(key),
-            None => slot.spill_hash(),
+        if slot.head[0] == SPILLED {
+            slot.spill_hash()
+        } else {
+            self.head_hash(slot.head_words())
         }
     }
 
@@ -450,12 +597,21 @@ impl<S: StoredState> StripedStore<S> {
 
     /// Reads a key's state (`None` when absent or expired).
     pub fn get(&self, key: &[u8], now_ms: u64) -> Option<S> {
-        let hash = self.hash_key(key);
-        let probe = Probe::new(key, hash);
+        self.get_probe(&self.probe(KeyBytes::Whole(key)), now_ms)
+    }
+
+    /// [`StripedStore::get`] of the key `prefix` (8 bytes, little endian)
+    /// followed by `rest`, without assembling it.
+    pub fn get_prefixed(&self, prefix: u64, rest: &[u8], now_ms: u64) -> Option<S> {
+        self.get_probe(&self.probe(KeyBytes::Prefixed(prefix, rest)), now_ms)
+    }
+
+    fn get_probe(&self, probe: &Probe<'_>, now_ms: u64) -> Option<S> {
+        let hash = probe.hash;
         let stripe = self.stripe_of(hash).lock();
         let slot = stripe
             .table
-            .find(hash, |slot| slot_holds(slot, &probe, &stripe.spilled))?;
+            .find(hash, |slot| slot_holds(slot, probe, &stripe.spilled))?;
         stripe.state_of(slot).filter(|s| s.expires_at_ms() > now_ms)
     }
 
@@ -468,8 +624,29 @@ impl<S: StoredState> StripedStore<S> {
         now_ms: u64,
         step: impl FnOnce(Option<S>) -> (R, Option<S>),
     ) -> Result<R, StoreFull> {
-        let hash = self.hash_key(key);
-        let probe = Probe::new(key, hash);
+        self.update_probe(&self.probe(KeyBytes::Whole(key)), now_ms, step)
+    }
+
+    /// [`StripedStore::update`] of the key `prefix` (8 bytes, little endian)
+    /// followed by `rest`, without assembling it.
+    pub fn update_prefixed<R>(
+        &self,
+        prefix: u64,
+        rest: &[u8],
+        now_ms: u64,
+        step: impl FnOnce(Option<S>) -> (R, Option<S>),
+    ) -> Result<R, StoreFull> {
+        self.update_probe(&self.probe(KeyBytes::Prefixed(prefix, rest)), now_ms, step)
+    }
+
+    #[inline(always)]
+    fn update_probe<R>(
+        &self,
+        probe: &Probe<'_>,
+        now_ms: u64,
+        step: impl FnOnce(Option<S>) -> (R, Option<S>),
+    ) -> Result<R, StoreFull> {
+        let (key, hash) = (probe.key, probe.hash);
         let mut guard = self.stripe_of(hash).lock();
         let stripe = &mut *guard;
         let Stripe {
@@ -477,7 +654,7 @@ impl<S: StoredState> StripedStore<S> {
             spilled,
             spilled_free,
         } = stripe;
-        if let Some(slot) = table.find_mut(hash, |slot| slot_holds(slot, &probe, spilled)) {
+        if let Some(slot) = table.find_mut(hash, |slot| slot_holds(slot, probe, spilled)) {
             if slot.head[0] == SPILLED {
                 let Some(entry) = spilled.get_mut(slot.spill_index()).and_then(Option::as_mut)
                 else {
@@ -518,7 +695,7 @@ impl<S: StoredState> StripedStore<S> {
             }
         }
         let slot = match (probe.head, state.pack()) {
-            (Some(head), Some(packed)) => Slot { head, packed },
+            (Some(head), Some(packed)) => Slot::inline(head, packed),
             _ => {
                 let index =
                     Stripe::spill(&mut stripe.spilled, &mut stripe.spilled_free, key, state);
@@ -997,6 +1174,79 @@ mod tests {
                 expected.sort_by(|a, b| a.0.cmp(&b.0));
                 prop_assert_eq!(seen, expected);
             }
+        }
+    }
+
+    /// A key's head words are its slot's bytes (length, key, zeros), for
+    /// every inline length, whole or as prefix and rest.
+    #[test]
+    fn heads_lay_keys_out_as_slots_hold_them() {
+        let bytes: Vec<u8> = (1..=40).collect();
+        for len in 0..=INLINE_KEY_BYTES_MAX + 1 {
+            let key = &bytes[..len];
+            let head = KeyBytes::Whole(key).head();
+            if len > INLINE_KEY_BYTES_MAX {
+                assert!(head.is_none());
+                continue;
+            }
+            let slot = Slot::inline(head.unwrap(), PackedCounter::default());
+            let mut expected = [0u8; INLINE_KEY_BYTES_MAX + 1];
+            expected[0] = len as u8;
+            expected[1..1 + len].copy_from_slice(key);
+            assert_eq!(slot.head, expected, "len {len}");
+            assert_eq!(slot.head_words(), head.unwrap());
+            assert_eq!(slot.inline_key(), Some(key));
+            if len >= 8 {
+                let prefix = u64::from_le_bytes(key[..8].try_into().unwrap());
+                let parts = KeyBytes::Prefixed(prefix, &key[8..]);
+                assert_eq!(parts.head(), head, "len {len}");
+                assert!(parts.eq_bytes(key));
+                assert_eq!(&*parts.to_boxed(), key);
+            }
+        }
+        let prefix = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        let long = KeyBytes::Prefixed(prefix, &bytes[8..30]);
+        assert!(long.head().is_none());
+        assert!(long.eq_bytes(&bytes[..30]) && !long.eq_bytes(&bytes[..29]));
+    }
+
+    /// A key given as prefix and rest is the same counter as the assembled
+    /// key, inline or spilled.
+    #[test]
+    fn prefixed_keys_are_the_assembled_keys() {
+        for collide in [false, true] {
+            let store = if collide {
+                colliding_store(usize::MAX)
+            } else {
+                MemoryStore::new(MemoryStoreConfig::default())
+            };
+            for rest_len in [0usize, 7, 15, 16, 30] {
+                let rest = vec![b'r'; rest_len];
+                let prefix = 0x0102_0304_0506_0708_u64 + rest_len as u64;
+                let mut key = prefix.to_le_bytes().to_vec();
+                key.extend_from_slice(&rest);
+                let quota = WindowQuota::new(3, 1).unwrap();
+                let hit_prefixed = || {
+                    store
+                        .update_prefixed(prefix, &rest, 0, |s| {
+                            let (d, new) = fixed_window_hit(s, quota, 0);
+                            (d.credit, new)
+                        })
+                        .unwrap()
+                };
+                assert_eq!(hit_prefixed(), 2);
+                assert_eq!(
+                    store
+                        .update(&key, 0, |s| fixed_window_hit(s, quota, 0))
+                        .unwrap()
+                        .credit,
+                    1
+                );
+                assert_eq!(hit_prefixed(), 0);
+                assert_eq!(store.get(&key, 0), store.get_prefixed(prefix, &rest, 0));
+                assert!(store.get(&key, 0).is_some());
+            }
+            assert_eq!(store.live_keys(), 5);
         }
     }
 

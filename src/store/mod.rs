@@ -127,47 +127,25 @@ pub fn algorithm_hit(
     }
 }
 
-/// Longest memory key built on the stack (longer ones, rare, in a `Vec`).
-const STACK_KEY_BYTES_MAX: usize = 64;
-
 impl MemoryBackend {
-    pub fn decide_one(
+    /// Decides `op` on its counter, whose key is the rule's counter id (as
+    /// [`memory_key`] writes it) and the actor, given as the two parts.
+    fn decide_parts(
         &self,
-        key_buf: &mut Vec<u8>,
-        op: &CounterOp<'_>,
-        now_ms: u64,
-    ) -> Result<Decision, BackendError> {
-        memory_key(key_buf, op);
-        self.decide_keyed(key_buf, op, now_ms)
-    }
-
-    fn decide_keyed(
-        &self,
-        key: &[u8],
+        counter_id: u64,
+        actor: &[u8],
         op: &CounterOp<'_>,
         now_ms: u64,
     ) -> Result<Decision, BackendError> {
         if op.peek {
-            let state = self.store.get(key, now_ms);
+            let state = self.store.get_prefixed(counter_id, actor, now_ms);
             return Ok(algorithm_hit(op.rule.algorithm, state, op.quota, now_ms).0);
         }
-        Ok(self.store.update(key, now_ms, |state| {
-            algorithm_hit(op.rule.algorithm, state, op.quota, now_ms)
-        })?)
-    }
-
-    /// [`MemoryBackend::decide_one`] with the key built on the stack.
-    fn decide_on_stack(&self, op: &CounterOp<'_>, now_ms: u64) -> Result<Decision, BackendError> {
-        let identity = op.rule.counter_id.0.to_le_bytes();
-        let actor = op.actor.as_bytes();
-        let len = identity.len() + actor.len();
-        if len > STACK_KEY_BYTES_MAX {
-            return self.decide_one(&mut Vec::with_capacity(len), op, now_ms);
-        }
-        let mut key = [0u8; STACK_KEY_BYTES_MAX];
-        key[..identity.len()].copy_from_slice(&identity);
-        key[identity.len()..len].copy_from_slice(actor);
-        self.decide_keyed(&key[..len], op, now_ms)
+        Ok(self
+            .store
+            .update_prefixed(counter_id, actor, now_ms, |state| {
+                algorithm_hit(op.rule.algorithm, state, op.quota, now_ms)
+            })?)
     }
 }
 
@@ -175,7 +153,7 @@ impl Backend for MemoryBackend {
     fn decide(&self, ops: &[CounterOp<'_>], now_ms: u64) -> Decided {
         Decided::Ready(
             ops.iter()
-                .map(|op| self.decide_on_stack(op, now_ms))
+                .map(|op| self.decide_parts(op.rule.counter_id.0, op.actor.as_bytes(), op, now_ms))
                 .collect(),
         )
     }

@@ -1,8 +1,10 @@
 //! The redis backend against a real redis-server: the same transcripts give
 //! the same answers as the memory backend, counters use divvy's exact keys
 //! and TTLs, keys written by divvy are continued (and the other way round),
-//! `SCRIPT FLUSH` under load reaches no client, and concurrent connections on
-//! one actor never admit more than the limit.
+//! `SCRIPT FLUSH` under load reaches no client, concurrent connections on
+//! one actor never admit more than the limit, and a read batch's script
+//! call steps each key as divvy's script does, a failing request alone
+//! failing.
 
 use crate::util;
 
@@ -11,6 +13,7 @@ use std::io::Write;
 use std::time::Duration;
 use tollgate::engine::UnavailablePolicy;
 use tollgate::rules::RuleSet;
+use tollgate::store::redis::script::BATCH_SCRIPT;
 use util::redis::{start_on_redis, RedisServer, ServeProcess};
 use util::{connect, converse, read_line, request, TestServer};
 
@@ -450,4 +453,184 @@ fn serve_reads_divvys_redis_environment() {
         .unwrap();
     assert_eq!(value, 999);
     server.terminate();
+}
+
+/// One call of the batch script: per request, its keys and whether it
+/// peeks (every counter: 3 per 3600 s); answers flattened per counter.
+fn batch_call(conn: &mut redis::Connection, requests: &[(&[String], bool)]) -> Vec<redis::Value> {
+    let script = redis::Script::new(BATCH_SCRIPT);
+    let mut invocation = script.prepare_invoke();
+    invocation.arg(1).arg(3600).arg(2);
+    for (keys, peek) in requests {
+        let count = keys.len() as i64;
+        invocation.arg(if *peek { -count } else { count });
+        for key in keys.iter() {
+            invocation.key(key.as_str()).arg(1);
+        }
+    }
+    invocation.invoke(conn).unwrap()
+}
+
+fn int(value: &redis::Value) -> i64 {
+    match value {
+        redis::Value::Int(number) => *number,
+        other => panic!("{other:?} is not a number"),
+    }
+}
+
+/// Random batches of hits on a few keys, some with windows divvy left, give
+/// every counter the answer divvy's own script gives it hit by hit, and
+/// leave the same credit and TTL behind.
+#[test]
+fn the_batch_script_steps_each_key_as_divvys_script_does() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let mut conn = redis.connection();
+    let divvy = redis::Script::new(DIVVY_STEP);
+    // Keys under two prefixes, one per way of counting, set up alike.
+    let key = |way: &str, i: u64| format!("divvy:way={way}:k{i}:3:3600");
+    for way in ["batch", "divvy"] {
+        let _: () = conn.set_ex(key(way, 0), 0, 600).unwrap();
+        let _: () = conn.set_ex(key(way, 1), 2, 600).unwrap();
+    }
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = |bound: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % bound
+    };
+    for _ in 0..40 {
+        // A batch: 1 to 20 requests of 1 or 2 counters on 6 keys.
+        let requests: Vec<Vec<u64>> = (0..1 + next(20))
+            .map(|_| (0..1 + next(2)).map(|_| next(6)).collect())
+            .collect();
+        let batch_keys: Vec<Vec<String>> = requests
+            .iter()
+            .map(|keys| keys.iter().map(|&i| key("batch", i)).collect())
+            .collect();
+        let shaped: Vec<(&[String], bool)> =
+            batch_keys.iter().map(|keys| (&keys[..], false)).collect();
+        let answers = batch_call(&mut conn, &shaped);
+        let expected: Vec<Vec<i64>> = requests
+            .iter()
+            .flatten()
+            .map(|&i| {
+                divvy
+                    .key(key("divvy", i))
+                    .arg(3600)
+                    .arg(2)
+                    .invoke(&mut conn)
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(answers.len(), expected.len() * 2);
+        for (got, want) in answers.chunks_exact(2).zip(&expected) {
+            // divvy: allowed, credit, TTL; the batch: credit or -1 (denied), TTL.
+            let (allowed, credit) = (int(&got[0]) >= 0, int(&got[0]).max(0));
+            assert_eq!([i64::from(allowed), credit], [want[0], want[1]], "{got:?}");
+            assert!((int(&got[1]) - want[2]).abs() <= 1, "{got:?} vs {want:?}");
+        }
+    }
+    for i in 0..6 {
+        let (batch, divvy): (Option<i64>, Option<i64>) = (
+            conn.get(key("batch", i)).unwrap(),
+            conn.get(key("divvy", i)).unwrap(),
+        );
+        assert_eq!(batch, divvy, "credit left on key {i}");
+        let (batch, divvy): (i64, i64) = (
+            conn.ttl(key("batch", i)).unwrap(),
+            conn.ttl(key("divvy", i)).unwrap(),
+        );
+        assert!(
+            (batch - divvy).abs() <= 1,
+            "TTL of key {i}: {batch} vs {divvy}"
+        );
+    }
+}
+
+/// A request whose key holds something that is not a credit fails alone:
+/// the requests before and after it in the same call are decided, its
+/// counters after the failing one are not applied (those before it are, as
+/// when it was a call of its own), and the wrong key is left as it was.
+#[test]
+fn a_failing_request_fails_alone_within_a_batch() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let mut conn = redis.connection();
+    let keys: Vec<String> = ["a", "list", "b", "c", "text", "d"]
+        .iter()
+        .map(|name| format!("divvy:x:{name}:3:3600"))
+        .collect();
+    let _: () = conn.rpush(&keys[1], "not a credit").unwrap();
+    let _: () = conn.set(&keys[4], "abc").unwrap();
+    let answers = batch_call(
+        &mut conn,
+        &[
+            (&keys[0..1], false),
+            (&keys[1..3], false), // fails on its first key
+            (&keys[3..5], false), // fails on its second key
+            (&keys[5..6], true),
+        ],
+    );
+    assert_eq!(answers.len(), 6 * 2, "{answers:?}");
+    assert_eq!(int(&answers[0]), 2, "{answers:?}");
+    assert_eq!(int(&answers[1]), 3600, "{answers:?}");
+    let message = |counter: usize| {
+        assert_eq!(int(&answers[counter * 2]), -2, "{answers:?}");
+        match &answers[counter * 2 + 1] {
+            redis::Value::BulkString(text) => String::from_utf8_lossy(text).into_owned(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(message(1).contains("WRONGTYPE"), "{}", message(1));
+    assert_eq!(message(1), message(2));
+    assert!(message(3).contains("compare"), "{}", message(3));
+    assert_eq!(message(3), message(4));
+    // The peek after them answers a fresh window and creates nothing.
+    assert_eq!([int(&answers[10]), int(&answers[11])], [2, 3600]);
+    let exists = |conn: &mut redis::Connection, key: &String| -> bool { conn.exists(key).unwrap() };
+    assert!(exists(&mut conn, &keys[0]));
+    assert!(
+        !exists(&mut conn, &keys[2]),
+        "a counter after the failure was applied"
+    );
+    let applied: i64 = conn.get(&keys[3]).unwrap();
+    assert_eq!(applied, 2, "the counter before the failure stays applied");
+    let text: String = conn.get(&keys[4]).unwrap();
+    assert_eq!(text, "abc");
+    assert!(!exists(&mut conn, &keys[5]), "PEEK created a key");
+}
+
+/// Through the server: a pipelined read whose middle request hits a key of
+/// the wrong type answers the requests before it, then that request's
+/// `ERR` (naming Redis's reason), and closes, as any `ERR` does.
+#[test]
+fn a_wrong_key_in_a_pipelined_read_answers_err_for_its_request() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let rules =
+        RuleSet::from_ini("[default]\ncreditLimit = 5\nresetSeconds = 60\nactorField = user\n")
+            .unwrap();
+    let server = start_on_redis(rules, &redis.url(), TIMEOUT_MS, UnavailablePolicy::Error);
+    let mut conn = redis.connection();
+    let _: () = conn.rpush("divvy::bad:5:60", "x").unwrap();
+    let answers = converse(
+        server.addr,
+        b"HIT user=a\nHIT user=b\nHIT user=bad\nHIT user=c\n",
+    );
+    let lines: Vec<&str> = answers.lines().collect();
+    assert_eq!(lines.len(), 3, "{answers}");
+    assert!(lines[0].starts_with("OK true 4 "), "{answers}");
+    assert!(lines[1].starts_with("OK true 4 "), "{answers}");
+    assert!(
+        lines[2].starts_with("ERR unknown \"backend unavailable: redis: WRONGTYPE"),
+        "{answers}"
+    );
+    assert!(server.engine.metrics.backend_errors() >= 1);
+    // The next connection is served as usual.
+    assert_eq!(request(&mut server.connect(), "HIT user=a"), "OK true 3 60");
 }

@@ -1,7 +1,10 @@
 //! The Redis-backed mode and Redis persistence. With `--backend redis`,
-//! counters live in the Redis that divvy uses, in divvy's key layout, one
-//! atomic script call per request (SPEC §5), so that divvy and Tollgate can
-//! count the same keys side by side during a migration. With
+//! counters live in the Redis that divvy uses, in divvy's key layout (SPEC
+//! §5), so that divvy and Tollgate can count the same keys side by side
+//! during a migration: the requests of one read of a client connection go
+//! to Redis as one atomic script call (a [`RedisBatch`]), each request's
+//! counters applied in order, one request alone when it is not part of a
+//! read batch. With
 //! `--persist-redis URL`, the in-memory counters are written to Redis
 //! periodically and loaded at start ([`persist`]). This is the only module
 //! that names `redis` types.
@@ -17,10 +20,13 @@ pub mod script;
 
 use crate::metrics::Metrics;
 use crate::rules::{Algorithm, RuleSet};
-use crate::store::{Backend, BackendError, CounterOp, Decided, Decisions};
-use client::{ClientConfig, ClientStartError, HealthBoard, RedisClient};
+use crate::store::{
+    Backend, BackendError, BatchDecided, CounterOp, Decided, Decisions, OpBatch, SlotAnswers,
+};
+use client::{ClientConfig, ClientStartError, HealthBoard, Lease, RedisClient};
+use futures_util::future::{join_all, BoxFuture};
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
-use script::{LoadedScript, ScriptCall, ScriptError, HIT_SCRIPT, PEEK_SCRIPT};
+use script::{LoadedScript, ScriptCall, ScriptError, BATCH_SCRIPT, CALL_COUNTERS_MAX};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -164,20 +170,24 @@ fn check_algorithm(algorithm: Algorithm) -> Result<(), &'static str> {
 /// Counters in Redis, in divvy's layout.
 ///
 /// Each serving thread opens its own Redis connection on first use, on its
-/// own runtime, and pipelines the requests of all its client connections
-/// onto it: no request crosses threads, and those of one client connection
-/// reach Redis in order. A probe connection on a thread of its own checks
-/// Redis at start (so the start-up log says whether it is reachable) and
-/// stands in while a thread's own connection is not up (first use,
-/// reconnection) or for callers without a runtime.
+/// own runtime, and pipelines the script calls of all its client
+/// connections onto it: no request crosses threads, and those of one client
+/// connection reach Redis in order. A probe connection on a thread of its
+/// own checks Redis at start (so the start-up log says whether it is
+/// reachable) and stands in while a thread's own connection is not up
+/// (first use, reconnection) or for callers without a runtime.
 pub struct RedisBackend {
+    shared: Arc<BackendShared>,
+}
+
+/// What the backend and its batches share.
+struct BackendShared {
     /// Tells the serving threads' clients apart from other backends' in
     /// [`THREAD_CLIENTS`]; they stop once it is gone.
     alive: Arc<()>,
     probe_client: RedisClient,
     thread_client_config: ClientConfig,
-    hit_script: Arc<LoadedScript>,
-    peek_script: Arc<LoadedScript>,
+    script: LoadedScript,
     backend_timeout_ms: u64,
     metrics: Arc<Metrics>,
 }
@@ -209,19 +219,27 @@ impl RedisBackend {
             connections: 1,
             connect_timeout_ms: redis.backend_timeout_ms.max(1_000),
             ping_timeout_ms: redis.backend_timeout_ms.max(500),
-            scripts: vec![HIT_SCRIPT, PEEK_SCRIPT],
+            scripts: vec![BATCH_SCRIPT],
         };
         Ok(RedisBackend {
-            alive: Arc::new(()),
-            probe_client: RedisClient::start(config.clone())?,
-            thread_client_config: config,
-            hit_script: Arc::new(LoadedScript::new(HIT_SCRIPT)),
-            peek_script: Arc::new(LoadedScript::new(PEEK_SCRIPT)),
-            backend_timeout_ms: redis.backend_timeout_ms.max(1),
-            metrics,
+            shared: Arc::new(BackendShared {
+                alive: Arc::new(()),
+                probe_client: RedisClient::start(config.clone())?,
+                thread_client_config: config,
+                script: LoadedScript::new(BATCH_SCRIPT),
+                backend_timeout_ms: redis.backend_timeout_ms.max(1),
+                metrics,
+            }),
         })
     }
 
+    /// Where the backend connects, without credentials.
+    pub fn target(&self) -> &str {
+        self.shared.probe_client.target()
+    }
+}
+
+impl BackendShared {
     /// This thread's own client, started on its runtime on first use (the
     /// probe client when the thread has no runtime).
     fn thread_client(&self) -> RedisClient {
@@ -245,11 +263,22 @@ impl RedisBackend {
         })
     }
 
-    /// Where the backend connects, without credentials.
-    pub fn target(&self) -> &str {
-        self.probe_client.target()
+    /// This thread's own connection; while it is not up (first use,
+    /// reconnecting), the probe connection stands in.
+    fn lease(&self) -> Result<(RedisClient, Lease), BackendError> {
+        let thread_client = self.thread_client();
+        if let Some(lease) = thread_client.lease() {
+            return Ok((thread_client, lease));
+        }
+        match self.probe_client.lease() {
+            Some(lease) => Ok((self.probe_client.clone(), lease)),
+            None => Err(BackendError::Unavailable(
+                thread_client.not_connected().to_string(),
+            )),
+        }
     }
 
+    /// `count` counters of one request that cannot be decided.
     fn fail(&self, count: usize, error: BackendError) -> Decisions {
         self.metrics.backend_error();
         (0..count).map(|_| Err(error.clone())).collect()
@@ -270,60 +299,131 @@ fn client_safe_message(text: &str) -> String {
         .collect()
 }
 
-impl Backend for RedisBackend {
-    fn decide(&self, ops: &[CounterOp<'_>], _now_ms: u64) -> Decided {
+/// The requests of one read of a client connection, gathered into script
+/// calls of at most [`CALL_COUNTERS_MAX`] counters (a request is never
+/// split) and sent back to back on one connection when the read is done:
+/// one round trip, and one script run in Redis, for many requests.
+pub struct RedisBatch {
+    shared: Arc<BackendShared>,
+    /// The connection, leased at the first request.
+    lease: Option<(RedisClient, Lease)>,
+    calls: Vec<ScriptCall>,
+    /// Counters gathered (the next slot).
+    counters: usize,
+}
+
+impl RedisBatch {
+    fn new(shared: Arc<BackendShared>) -> RedisBatch {
+        RedisBatch {
+            shared,
+            lease: None,
+            calls: Vec::new(),
+            counters: 0,
+        }
+    }
+}
+
+impl OpBatch for RedisBatch {
+    fn decide(&mut self, ops: &[CounterOp<'_>], _now_ms: u64) -> BatchDecided {
         // Redis keeps its own clock: the window is the key's TTL.
         if let Some(algorithm) = ops
             .iter()
             .find_map(|op| check_algorithm(op.rule.algorithm).err())
         {
-            return Decided::Ready(self.fail(
-                ops.len(),
-                BackendError::Unavailable(format!("the redis backend cannot count {algorithm}")),
-            ));
+            let error =
+                BackendError::Unavailable(format!("the redis backend cannot count {algorithm}"));
+            return BatchDecided::Ready(self.shared.fail(ops.len(), error));
         }
-        // This thread's own connection; while it is not up (first use,
-        // reconnecting), the probe connection stands in.
-        let thread_client = self.thread_client();
-        let leased = match thread_client.lease() {
-            Some(lease) => Some((thread_client.clone(), lease)),
-            None => self
-                .probe_client
-                .lease()
-                .map(|lease| (self.probe_client.clone(), lease)),
-        };
-        let Some((client, mut lease)) = leased else {
-            let error = thread_client.not_connected().to_string();
-            return Decided::Ready(self.fail(ops.len(), BackendError::Unavailable(error)));
-        };
-        let call = ScriptCall::new(ops);
-        let peek = ops.iter().any(|op| op.peek);
-        let script = Arc::clone(if peek {
-            &self.peek_script
-        } else {
-            &self.hit_script
-        });
-        let metrics = Arc::clone(&self.metrics);
-        let timeout_ms = self.backend_timeout_ms;
-        Decided::Later(Box::pin(async move {
-            let invoked = tokio::time::timeout(
-                Duration::from_millis(timeout_ms),
-                call.invoke(&client, &mut lease, &script),
-            )
-            .await;
-            let error = match invoked {
-                Ok(Ok(decisions)) => return decisions.into_iter().map(Ok).collect(),
-                Ok(Err(ScriptError::Request(error))) => {
-                    BackendError::Unavailable(client_safe_message(&error.to_string()))
+        if self.lease.is_none() {
+            match self.shared.lease() {
+                Ok(lease) => self.lease = Some(lease),
+                // While Redis is down, hits fail at once.
+                Err(error) => return BatchDecided::Ready(self.shared.fail(ops.len(), error)),
+            }
+        }
+        match self.calls.last_mut() {
+            Some(call) if call.len() + ops.len() <= CALL_COUNTERS_MAX => call.push(ops),
+            _ => self.calls.push(ScriptCall::new(ops)),
+        }
+        let first = self.counters as u32;
+        self.counters += ops.len();
+        BatchDecided::Slots { first }
+    }
+
+    fn submit(self: Box<Self>) -> Option<BoxFuture<'static, SlotAnswers>> {
+        let RedisBatch {
+            shared,
+            lease,
+            calls,
+            counters,
+        } = *self;
+        let (client, lease) = lease?;
+        if counters == 0 {
+            return None;
+        }
+        Some(Box::pin(async move {
+            let timeout = Duration::from_millis(shared.backend_timeout_ms);
+            let script = &shared.script;
+            let invocations = calls.iter().map(|call| {
+                let (client, mut lease) = (&client, lease.clone());
+                async move {
+                    tokio::time::timeout(timeout, call.invoke(client, &mut lease, script)).await
                 }
-                Ok(Err(error @ ScriptError::Reply(_))) => {
-                    BackendError::Unavailable(client_safe_message(&error.to_string()))
+            });
+            let mut answers = SlotAnswers::with_capacity(counters);
+            for (call, invoked) in calls.iter().zip(join_all(invocations).await) {
+                let error = match invoked {
+                    Ok(Ok(decided)) => {
+                        let mut start = 0;
+                        for &count in call.requests() {
+                            let request = &decided[start..start + count as usize];
+                            start += count as usize;
+                            if request.iter().any(|answer| answer.is_err()) {
+                                shared.metrics.backend_error();
+                            }
+                            answers.extend(request.iter().map(|answer| match answer {
+                                Ok(decision) => Ok(*decision),
+                                Err(message) => Err(BackendError::Unavailable(
+                                    client_safe_message(&format!("redis: {message}")),
+                                )),
+                            }));
+                        }
+                        continue;
+                    }
+                    Ok(Err(ScriptError::Request(error))) => {
+                        BackendError::Unavailable(client_safe_message(&error.to_string()))
+                    }
+                    Ok(Err(error @ ScriptError::Reply(_))) => {
+                        BackendError::Unavailable(client_safe_message(&error.to_string()))
+                    }
+                    Err(_elapsed) => BackendError::Timeout(shared.backend_timeout_ms),
+                };
+                for &count in call.requests() {
+                    answers.extend(shared.fail(count as usize, error.clone()));
                 }
-                Err(_elapsed) => BackendError::Timeout(timeout_ms),
-            };
-            metrics.backend_error();
-            (0..call.len()).map(|_| Err(error.clone())).collect()
+            }
+            answers
         }))
+    }
+}
+
+impl Backend for RedisBackend {
+    /// One request alone: a batch of one.
+    fn decide(&self, ops: &[CounterOp<'_>], now_ms: u64) -> Decided {
+        let mut batch = Box::new(RedisBatch::new(Arc::clone(&self.shared)));
+        match batch.decide(ops, now_ms) {
+            BatchDecided::Ready(decisions) => Decided::Ready(decisions),
+            BatchDecided::Slots { .. } => match batch.submit() {
+                Some(answers) => {
+                    Decided::Later(Box::pin(async move { answers.await.into_iter().collect() }))
+                }
+                None => Decided::Ready(Decisions::new()),
+            },
+        }
+    }
+
+    fn begin_batch(&self) -> Option<Box<dyn OpBatch>> {
+        Some(Box::new(RedisBatch::new(Arc::clone(&self.shared))))
     }
 
     fn name(&self) -> &'static str {
