@@ -87,6 +87,13 @@ pub struct Operation<'a> {
     pub peek: bool,
 }
 
+/// Decodes a `RateLimitRequest` message (the gRPC frame's payload); every
+/// failure, strings that are not UTF-8 included, is the client's.
+pub fn decode_request(bytes: impl prost::bytes::Buf) -> Result<RateLimitRequest, String> {
+    use prost::Message;
+    RateLimitRequest::decode(bytes).map_err(|error| format!("malformed RateLimitRequest: {error}"))
+}
+
 /// The operations of `request`, one per descriptor in order, or why there
 /// are none. Nothing is counted for a refused request.
 pub fn operations<'a>(

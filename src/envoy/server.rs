@@ -22,7 +22,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use futures_util::future::BoxFuture;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use prost::Message;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -287,8 +286,8 @@ impl Decoder for RequestDecoder {
     type Error = Status;
 
     fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
-        RateLimitRequest::decode(src).map(Some).map_err(|error| {
-            Status::invalid_argument(format!("malformed RateLimitRequest: {error}"))
-        })
+        mapping::decode_request(src)
+            .map(Some)
+            .map_err(Status::invalid_argument)
     }
 }
