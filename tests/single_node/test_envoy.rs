@@ -5,14 +5,12 @@
 //! (descriptor `hits_addend` 0), bad requests answered with a clear status
 //! while the connection keeps serving, gRPC health, and the metrics.
 
+use crate::util::envoy::{descriptor, request, GrpcClient};
 use crate::util::{self, TestServer};
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::{Duration, UInt64Value};
 use std::net::SocketAddr;
@@ -52,7 +50,6 @@ struct GrpcServer {
     server: TestServer,
     grpc_addr: SocketAddr,
     clock: Arc<ManualClock>,
-    runtime: tokio::runtime::Runtime,
 }
 
 impl GrpcServer {
@@ -67,56 +64,15 @@ impl GrpcServer {
         };
         let server = TestServer::start_app(config, util::on_clock(clock.clone()));
         let grpc_addr = server.app.grpc_addr().expect("the gRPC endpoint serves");
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
         GrpcServer {
             server,
             grpc_addr,
             clock,
-            runtime,
         }
     }
 
-    fn client(&self) -> RateLimitServiceClient<Channel> {
-        let url = format!("http://{}", self.grpc_addr);
-        self.runtime.block_on(async {
-            let channel = Channel::from_shared(url).unwrap().connect().await.unwrap();
-            RateLimitServiceClient::new(channel)
-        })
-    }
-
-    fn call(
-        &self,
-        client: &mut RateLimitServiceClient<Channel>,
-        request: RateLimitRequest,
-    ) -> Result<RateLimitResponse, tonic::Status> {
-        self.runtime
-            .block_on(client.should_rate_limit(request))
-            .map(tonic::Response::into_inner)
-    }
-}
-
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry {
-                key: (*k).into(),
-                value: (*v).into(),
-            })
-            .collect(),
-        ..RateLimitDescriptor::default()
-    }
-}
-
-fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: "edge".into(),
-        descriptors,
-        hits_addend: 0,
+    fn client(&self) -> GrpcClient {
+        GrpcClient::connect(self.grpc_addr)
     }
 }
 
@@ -146,7 +102,7 @@ fn envoy_descriptors_are_decided_by_the_rules() {
     let login = || descriptor(&[("path", "/login"), ("ip", "10.0.0.1")]);
     let limit = Some((3, Unit::Minute, "login"));
     for remaining in [2, 1, 0] {
-        let response = grpc.call(&mut client, request(vec![login()])).unwrap();
+        let response = client.call(request(vec![login()])).unwrap();
         assert_eq!(response.overall_code, Code::Ok as i32);
         assert_eq!(
             response.statuses,
@@ -154,7 +110,7 @@ fn envoy_descriptors_are_decided_by_the_rules() {
         );
     }
     grpc.clock.advance_ms(20_400);
-    let response = grpc.call(&mut client, request(vec![login()])).unwrap();
+    let response = client.call(request(vec![login()])).unwrap();
     assert_eq!(response.overall_code, Code::OverLimit as i32);
     assert_eq!(
         response.statuses,
@@ -162,16 +118,13 @@ fn envoy_descriptors_are_decided_by_the_rules() {
     );
     // Another actor (ip) has its own counter; a window without an Envoy
     // unit says UNKNOWN; the default rule applies to unknown paths.
-    let response = grpc
-        .call(
-            &mut client,
-            request(vec![
-                descriptor(&[("path", "/login"), ("ip", "10.0.0.2")]),
-                descriptor(&[("path", "/upload")]),
-                descriptor(&[("path", "/elsewhere")]),
-                descriptor(&[("path", "/open")]),
-            ]),
-        )
+    let response = client
+        .call(request(vec![
+            descriptor(&[("path", "/login"), ("ip", "10.0.0.2")]),
+            descriptor(&[("path", "/upload")]),
+            descriptor(&[("path", "/elsewhere")]),
+            descriptor(&[("path", "/open")]),
+        ]))
         .unwrap();
     assert_eq!(response.overall_code, Code::Ok as i32);
     assert_eq!(
@@ -185,7 +138,7 @@ fn envoy_descriptors_are_decided_by_the_rules() {
     );
     // The window resets: the first actor is allowed again.
     grpc.clock.advance_ms(40_000);
-    let response = grpc.call(&mut client, request(vec![login()])).unwrap();
+    let response = client.call(request(vec![login()])).unwrap();
     assert_eq!(
         response.statuses,
         vec![status(Code::Ok, limit, 2, Some(60))]
@@ -200,15 +153,15 @@ fn hit_lines_and_grpc_calls_draw_from_one_counter() {
     let hit = "HIT domain=edge path=/login ip=10.9.9.9";
     let rpc = || request(vec![descriptor(&[("path", "/login"), ("ip", "10.9.9.9")])]);
     assert_eq!(util::request(&mut line, hit), "OK true 2 60");
-    let response = grpc.call(&mut client, rpc()).unwrap();
+    let response = client.call(rpc()).unwrap();
     assert_eq!(response.statuses[0].limit_remaining, 1);
     assert_eq!(util::request(&mut line, hit), "OK true 0 60");
-    let response = grpc.call(&mut client, rpc()).unwrap();
+    let response = client.call(rpc()).unwrap();
     assert_eq!(response.overall_code, Code::OverLimit as i32);
     assert_eq!(util::request(&mut line, hit), "OK false 0 60");
     // Entry order does not matter to divvy's rules: the same operation.
     let reordered = request(vec![descriptor(&[("ip", "10.9.9.9"), ("path", "/login")])]);
-    let response = grpc.call(&mut client, reordered).unwrap();
+    let response = client.call(reordered).unwrap();
     assert_eq!(response.overall_code, Code::OverLimit as i32);
 }
 
@@ -224,12 +177,12 @@ fn every_descriptor_is_counted_when_one_is_over() {
     };
     let closed = status(Code::OverLimit, Some((0, Unit::Unknown, "")), 0, None);
     let upload = |code, remaining| status(code, Some((2, Unit::Unknown, "")), remaining, Some(30));
-    let response = grpc.call(&mut client, both()).unwrap();
+    let response = client.call(both()).unwrap();
     assert_eq!(response.overall_code, Code::OverLimit as i32);
     assert_eq!(response.statuses, vec![closed.clone(), upload(Code::Ok, 1)]);
-    let response = grpc.call(&mut client, both()).unwrap();
+    let response = client.call(both()).unwrap();
     assert_eq!(response.statuses, vec![closed.clone(), upload(Code::Ok, 0)]);
-    let response = grpc.call(&mut client, both()).unwrap();
+    let response = client.call(both()).unwrap();
     assert_eq!(response.statuses, vec![closed, upload(Code::OverLimit, 0)]);
     let mut line = grpc.server.connect();
     assert_eq!(
@@ -246,7 +199,7 @@ fn hits_addend_counts_many_hits_and_zero_only_looks() {
     let limit = Some((3, Unit::Minute, "login"));
     let mut two = request(vec![login()]);
     two.hits_addend = 2;
-    let response = grpc.call(&mut client, two.clone()).unwrap();
+    let response = client.call(two.clone()).unwrap();
     assert_eq!(
         response.statuses,
         vec![status(Code::Ok, limit, 1, Some(60))]
@@ -255,7 +208,7 @@ fn hits_addend_counts_many_hits_and_zero_only_looks() {
     let mut look = login();
     look.hits_addend = Some(UInt64Value { value: 0 });
     for _ in 0..3 {
-        let response = grpc.call(&mut client, request(vec![look.clone()])).unwrap();
+        let response = client.call(request(vec![look.clone()])).unwrap();
         assert_eq!(
             response.statuses,
             vec![status(Code::Ok, limit, 0, Some(60))]
@@ -263,19 +216,19 @@ fn hits_addend_counts_many_hits_and_zero_only_looks() {
     }
     // Two more hits than the one left: over, and the one left is used (as
     // two hits in a row would).
-    let response = grpc.call(&mut client, two).unwrap();
+    let response = client.call(two).unwrap();
     assert_eq!(
         response.statuses,
         vec![status(Code::OverLimit, limit, 0, Some(60))]
     );
-    let response = grpc.call(&mut client, request(vec![look])).unwrap();
+    let response = client.call(request(vec![look])).unwrap();
     assert_eq!(response.overall_code, Code::OverLimit as i32);
     // The descriptor's hits_addend wins over the request's.
     let mut one = descriptor(&[("path", "/upload")]);
     one.hits_addend = Some(UInt64Value { value: 1 });
     let mut request_of_five = request(vec![one]);
     request_of_five.hits_addend = 5;
-    let response = grpc.call(&mut client, request_of_five).unwrap();
+    let response = client.call(request_of_five).unwrap();
     assert_eq!(response.statuses[0].code, Code::Ok as i32);
     assert_eq!(response.statuses[0].limit_remaining, 1);
 }
@@ -306,7 +259,7 @@ struct RawEntry {
 
 fn send_raw(grpc: &GrpcServer, raw: RawRequest) -> Result<RateLimitResponse, tonic::Status> {
     let url = format!("http://{}", grpc.grpc_addr);
-    grpc.runtime.block_on(async {
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
         let channel = Channel::from_shared(url).unwrap().connect().await.unwrap();
         let mut client = tonic::client::Grpc::new(channel);
         client.ready().await.unwrap();
@@ -370,7 +323,7 @@ fn bad_requests_get_a_clear_status_and_the_connection_keeps_serving() {
         (oversized, tonic::Code::ResourceExhausted, "65536 bytes"),
     ];
     for (bad, code, message) in cases {
-        let status = grpc.call(&mut client, bad).unwrap_err();
+        let status = client.call(bad).unwrap_err();
         assert_eq!(status.code(), code, "{status:?}");
         assert!(status.message().contains(message), "{status:?}");
     }
@@ -387,7 +340,7 @@ fn bad_requests_get_a_clear_status_and_the_connection_keeps_serving() {
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("UTF-8"), "{status:?}");
     // Nothing was counted for the refused requests; the connection serves on.
-    let response = grpc.call(&mut client, good()).unwrap();
+    let response = client.call(good()).unwrap();
     assert_eq!(response.statuses[0].limit_remaining, 1);
 
     let metrics = &grpc.server.engine.metrics;
@@ -405,7 +358,7 @@ fn grpc_health_says_serving() {
     use tonic_health::pb::HealthCheckRequest;
     let grpc = GrpcServer::start();
     let url = format!("http://{}", grpc.grpc_addr);
-    grpc.runtime.block_on(async {
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
         let channel = Channel::from_shared(url).unwrap().connect().await.unwrap();
         let mut health = HealthClient::new(channel);
         for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
