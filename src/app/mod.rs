@@ -205,6 +205,7 @@ impl Endpoints {
                         drain_timeout_ms: self.drain_timeout_ms,
                         message_bytes_max: self.grpc.message_bytes_max,
                         streams_per_connection_max: self.grpc.streams_per_connection_max,
+                        first_byte_timeout_ms: self.grpc.first_byte_timeout_ms,
                         limits: self.grpc.limits,
                     },
                     Arc::clone(engine),

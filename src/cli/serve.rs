@@ -198,6 +198,7 @@ impl GrpcArgs {
             listen: self.grpc_listen,
             message_bytes_max: self.grpc_message_bytes_max,
             streams_per_connection_max: self.grpc_streams_max,
+            first_byte_timeout_ms: GrpcConfig::default().first_byte_timeout_ms,
             limits: EnvoyLimits {
                 descriptors_max: self.grpc_descriptors_max,
                 entries_per_descriptor_max: self.grpc_entries_max,

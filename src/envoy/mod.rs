@@ -30,6 +30,9 @@ pub struct GrpcConfig {
     pub message_bytes_max: usize,
     /// Most concurrent HTTP/2 streams (calls) per connection.
     pub streams_per_connection_max: u32,
+    /// A connection that sends nothing for this long after connecting is
+    /// closed, in milliseconds.
+    pub first_byte_timeout_ms: u64,
     /// Bounds on a request's shape (descriptors, entries, `hits_addend`).
     pub limits: EnvoyLimits,
 }
@@ -40,6 +43,7 @@ impl Default for GrpcConfig {
             listen: None,
             message_bytes_max: 64 * 1024,
             streams_per_connection_max: 1024,
+            first_byte_timeout_ms: 10_000,
             limits: EnvoyLimits::default(),
         }
     }

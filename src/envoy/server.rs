@@ -9,7 +9,8 @@
 //! refused (`RESOURCE_EXHAUSTED`) before it is buffered, one that does not
 //! decode (truncated, non-UTF-8 strings) is `INVALID_ARGUMENT`, streams per
 //! connection are capped (more wait for HTTP/2 flow control; rapid resets
-//! are capped by hyper), and keep-alive pings drop peers that stopped
+//! are capped by hyper), a connection that sends nothing is closed after
+//! `first_byte_timeout_ms`, and keep-alive pings drop peers that stopped
 //! answering. Every call is counted in `tollgate_grpc_requests_total` by
 //! method and status code.
 
@@ -64,6 +65,9 @@ pub struct GrpcServerConfig {
     pub message_bytes_max: usize,
     /// Most concurrent streams per HTTP/2 connection.
     pub streams_per_connection_max: u32,
+    /// A connection that sends nothing for this long after connecting is
+    /// closed (keep-alive pings watch it once HTTP/2 is up).
+    pub first_byte_timeout_ms: u64,
     pub limits: EnvoyLimits,
 }
 
@@ -72,6 +76,7 @@ pub struct GrpcProtocol {
     engine: Arc<Engine>,
     message_bytes_max: usize,
     streams_per_connection_max: u32,
+    first_byte_timeout_ms: u64,
     limits: EnvoyLimits,
 }
 
@@ -88,6 +93,7 @@ pub fn bind(
         engine,
         message_bytes_max: config.message_bytes_max.max(1),
         streams_per_connection_max: config.streams_per_connection_max.max(1),
+        first_byte_timeout_ms: config.first_byte_timeout_ms.max(1),
         limits: config.limits,
     });
     let acceptor = AcceptorConfig {
@@ -106,6 +112,17 @@ pub type RunningGrpc = Serving;
 impl ConnectionHandler for GrpcProtocol {
     async fn serve(self: Arc<Self>, stream: TcpStream, mut shutdown: watch::Receiver<bool>) {
         let _ = stream.set_nodelay(true);
+        // A client that connects and says nothing would hold a connection
+        // slot for good: HTTP/2's keep-alive starts only after its preface.
+        let mut first = [0u8; 1];
+        let first_byte = tokio::time::timeout(
+            Duration::from_millis(self.first_byte_timeout_ms),
+            stream.peek(&mut first),
+        )
+        .await;
+        if !matches!(first_byte, Ok(Ok(read)) if read > 0) {
+            return;
+        }
         let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         builder
             .timer(TokioTimer::new())

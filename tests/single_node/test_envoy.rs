@@ -54,11 +54,16 @@ struct GrpcServer {
 
 impl GrpcServer {
     fn start() -> GrpcServer {
+        Self::start_with(GrpcConfig::default())
+    }
+
+    /// `grpc.listen` is replaced by 127.0.0.1 port 0.
+    fn start_with(grpc: GrpcConfig) -> GrpcServer {
         let clock = util::manual_clock();
         let config = ServeConfig {
             grpc: GrpcConfig {
                 listen: Some("127.0.0.1:0".parse().unwrap()),
-                ..GrpcConfig::default()
+                ..grpc
             },
             ..util::test_config(RuleSet::from_ini(RULES).unwrap())
         };
@@ -429,4 +434,29 @@ fn the_python_grpcio_client_gets_every_field_right() {
     );
     let seen: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(seen["checked"], 11, "{stdout}");
+}
+
+/// Connections that never speak are closed (they would hold a connection
+/// slot for good), while a client that speaks is served as usual.
+#[test]
+fn a_connection_that_sends_nothing_is_closed() {
+    use std::io::Read;
+    let grpc = GrpcServer::start_with(GrpcConfig {
+        first_byte_timeout_ms: 200,
+        ..GrpcConfig::default()
+    });
+    let mut silent = std::net::TcpStream::connect(grpc.grpc_addr).unwrap();
+    silent
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut buffer = [0u8; 64];
+    // Closed without a byte: the server never started HTTP/2 on it.
+    assert_eq!(silent.read(&mut buffer).unwrap(), 0);
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    let mut client = grpc.client();
+    let response = client
+        .call(request(vec![descriptor(&[("path", "/upload")])]))
+        .unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32);
 }
