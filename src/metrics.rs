@@ -226,7 +226,7 @@ pub const GRPC_CODES: usize = 17;
 pub enum GrpcMethod {
     /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
     ShouldRateLimit,
-    /// `grpc.health.v1.Health/Check` and `Watch`.
+    /// `grpc.health.v1.Health/Check` (`Watch` is not served).
     Health,
 }
 
