@@ -86,6 +86,32 @@ pub enum Outcome {
     Deferred(DeferredHit),
 }
 
+/// What [`Engine::decide_operation`] answers: the reply a `HIT` line would
+/// get, and the quota and label of the rule that decided it (`None` when no
+/// rule was evaluated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperationAnswer {
+    pub reply: Reply,
+    pub quota: Option<Quota>,
+    pub label: Option<String>,
+}
+
+/// An [`OperationAnswer`] now, or one to wait for.
+pub enum OperationOutcome {
+    Now(OperationAnswer),
+    Later(BoxFuture<'static, OperationAnswer>),
+}
+
+impl OperationOutcome {
+    /// Waits for the answer, whichever it is.
+    pub async fn answer(self) -> OperationAnswer {
+        match self {
+            OperationOutcome::Now(answer) => answer,
+            OperationOutcome::Later(future) => future.await,
+        }
+    }
+}
+
 /// A hit whose counters wait for their read batch's answers.
 pub struct DeferredHit {
     plan: Plan,
@@ -358,6 +384,18 @@ impl Engine {
         pairs: &'a Pairs<'_>,
         peek: bool,
     ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
+        Self::plan_hits(loaded, pairs, peek, 1)
+    }
+
+    /// [`Engine::plan_hit`] for `hits` hits of one operation in a row (at
+    /// least one): the one hit's rules evaluated `hits` times, so that each
+    /// backend decides them in order within one call.
+    fn plan_hits<'a>(
+        loaded: &'a LoadedRules,
+        pairs: &'a Pairs<'_>,
+        peek: bool,
+        hits: u32,
+    ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
         let mut ops: SmallVec<[CounterOp<'a>; 2]> = SmallVec::new();
         let mut plan = Plan::new();
         let mut evaluated = loaded.set.evaluate(pairs);
@@ -386,7 +424,75 @@ impl Engine {
             };
             plan.push(step);
         }
+        let (one_ops, one_plan) = (ops.len(), plan.len());
+        for _ in 1..hits.max(1) {
+            for op in 0..one_ops {
+                ops.push(ops[op]);
+            }
+            for step in 0..one_plan {
+                let step = match plan[step] {
+                    Step::Counter(position, op) => {
+                        Step::Counter(position, ops.len() - one_ops + op)
+                    }
+                    fixed => fixed,
+                };
+                plan.push(step);
+            }
+        }
         (ops, plan)
+    }
+
+    /// Decides one operation given as pairs rather than as a line (Envoy's
+    /// rate limit service): the same rules, counters and metrics as a `HIT`
+    /// of those pairs, repeated `hits` times in a row (at least once), or, with
+    /// `peek`, what one hit would get (`PEEK`). The answer also names the
+    /// rule that decided, for protocols that report the limit.
+    pub fn decide_operation(
+        self: &Arc<Self>,
+        pairs: &Pairs<'_>,
+        hits: u32,
+        peek: bool,
+        arrival: Arrival,
+    ) -> OperationOutcome {
+        let loaded = self.rules.load_full();
+        let hits = if peek { 1 } else { hits.max(1) };
+        let (ops, plan) = Self::plan_hits(&loaded, pairs, peek, hits);
+        let decided = if ops.is_empty() {
+            Decided::Ready(Decisions::new())
+        } else {
+            self.backend.decide(&ops, arrival.now_ms)
+        };
+        drop(ops);
+        match decided {
+            Decided::Ready(decisions) => OperationOutcome::Now(
+                self.answer_operation(&loaded, &plan, decisions, peek, arrival, true),
+            ),
+            Decided::Later(future) => {
+                let engine = Arc::clone(self);
+                OperationOutcome::Later(Box::pin(async move {
+                    let decisions = future.await;
+                    engine.answer_operation(&loaded, &plan, decisions, peek, arrival, false)
+                }))
+            }
+        }
+    }
+
+    fn answer_operation(
+        &self,
+        loaded: &LoadedRules,
+        plan: &Plan,
+        decisions: Decisions,
+        peek: bool,
+        arrival: Arrival,
+        synchronous: bool,
+    ) -> OperationAnswer {
+        let reply = self.finish(loaded, plan, decisions, peek, arrival, synchronous);
+        let rule = plan.last().map(|step| &loaded.set.rules()[step.position()]);
+        OperationAnswer {
+            reply,
+            quota: rule.map(|rule| rule.quota),
+            label: rule.and_then(|rule| rule.label.clone()),
+        }
     }
 
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {

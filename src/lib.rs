@@ -1,5 +1,5 @@
 //! Tollgate: a rate-limit and quota server that speaks divvy's line protocol
-//! (and droplet's), keeps counters in memory on a thread-per-core runtime, and
+//! (and droplet's, and Envoy's rate limit service over gRPC), keeps counters in memory on a thread-per-core runtime, and
 //! can run as a Raft-replicated cluster or on divvy's Redis.
 //!
 //! The request path runs one way: [`protocol`] (bytes → command) →
@@ -14,6 +14,7 @@ pub mod clock;
 pub mod cluster;
 pub mod droplet;
 pub mod engine;
+pub mod envoy;
 pub mod limiter;
 pub mod metrics;
 pub mod observability;

@@ -213,6 +213,32 @@ pub struct Metrics {
     /// Set once when statsd is enabled, absent otherwise.
     hit_timings: OnceLock<Arc<HitTimings>>,
     statsd_send_failed: AtomicU64,
+    /// gRPC responses by method and status code (Envoy's rate limit service).
+    grpc_responses: [[AtomicU64; GRPC_CODES]; 2],
+}
+
+/// gRPC status codes, 0 (`OK`) to 16 (`UNAUTHENTICATED`).
+pub const GRPC_CODES: usize = 17;
+
+/// The gRPC methods the server answers, as counted in
+/// `tollgate_grpc_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpcMethod {
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+    ShouldRateLimit,
+    /// `grpc.health.v1.Health/Check` (`Watch` is not served).
+    Health,
+}
+
+impl GrpcMethod {
+    pub const ALL: [GrpcMethod; 2] = [GrpcMethod::ShouldRateLimit, GrpcMethod::Health];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrpcMethod::ShouldRateLimit => "ShouldRateLimit",
+            GrpcMethod::Health => "Health",
+        }
+    }
 }
 
 impl Metrics {
@@ -271,6 +297,20 @@ impl Metrics {
         let counts = std::array::from_fn(|i| self.hit_duration_buckets[i].load(Ordering::Relaxed));
         let sum = self.hit_duration_sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
         (counts, sum)
+    }
+
+    /// A gRPC call of `method` ended with status `code` (0 to 16; larger
+    /// codes, which no server should send, count as 2, `UNKNOWN`).
+    pub fn grpc_response(&self, method: GrpcMethod, code: usize) {
+        let code = if code < GRPC_CODES { code } else { 2 };
+        self.grpc_responses[method as usize][code].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// gRPC calls of `method` that ended with status `code`, since start.
+    pub fn grpc_responses(&self, method: GrpcMethod, code: usize) -> u64 {
+        self.grpc_responses[method as usize]
+            .get(code)
+            .map_or(0, |count| count.load(Ordering::Relaxed))
     }
 
     pub fn error(&self, code: ErrorCode) {

@@ -7,6 +7,7 @@
 use crate::cluster::ClusterConfig;
 use crate::droplet::DropletConfig;
 use crate::engine::UnavailablePolicy;
+use crate::envoy::GrpcConfig;
 use crate::observability::ObservabilityConfig;
 use crate::rules::RuleSet;
 use crate::server::Limits;
@@ -76,6 +77,8 @@ pub struct ServeConfig {
     /// Write the process id here while serving (for `tollgate reload`).
     pub pid_file: Option<PathBuf>,
     pub droplet: DropletConfig,
+    /// Envoy's rate limit service over gRPC (off unless `listen` is set).
+    pub grpc: GrpcConfig,
     pub observability: ObservabilityConfig,
     pub redis: RedisConfig,
     pub cluster: ClusterConfig,
@@ -96,6 +99,7 @@ impl Default for ServeConfig {
             debug_rules: false,
             pid_file: None,
             droplet: DropletConfig::default(),
+            grpc: GrpcConfig::default(),
             observability: ObservabilityConfig::default(),
             redis: RedisConfig::default(),
             cluster: ClusterConfig::default(),

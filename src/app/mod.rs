@@ -1,6 +1,7 @@
 //! The one way to start a server: [`App::build`] turns a [`ServeConfig`]
 //! into every running part (store and sweepers, droplet buckets, cluster or
-//! Redis backend, engine, persistence, exporters, bound listeners), and
+//! Redis backend, engine, persistence, exporters, bound listeners: the line
+//! protocol, droplet's WebSocket and Envoy's gRPC), and
 //! [`App::run_until`] serves until told to stop, then shuts the parts down in
 //! order. The binary, the tests, the benches and the load generator's tests
 //! all start servers here (mini-redis's `server::run(listener, shutdown)`),
@@ -16,6 +17,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::cluster::{Cluster, ClusterError};
 use crate::droplet::{Buckets, BucketsConfig, DropletServer, DropletServerConfig, LineCommands};
 use crate::engine::{CommandExtension, Engine};
+use crate::envoy::{GrpcConfig, GrpcServer, GrpcServerConfig};
 use crate::metrics::Metrics;
 use crate::observability::health::Readiness;
 use crate::observability::{Observability, ObservabilityError, Observed};
@@ -60,6 +62,12 @@ pub enum AppError {
     },
     #[error("cannot start the droplet endpoint: cannot listen on {addr}")]
     DropletListen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the gRPC endpoint: cannot listen on {addr}")]
+    GrpcListen {
         addr: SocketAddr,
         #[source]
         source: std::io::Error,
@@ -149,16 +157,25 @@ struct Endpoints {
     limits: Limits,
     drain_timeout_ms: u64,
     message_bytes_max: usize,
+    grpc: GrpcConfig,
+}
+
+/// The bound endpoints: the line protocol always, the others when asked for.
+struct Bound {
+    line: Server,
+    droplet: Option<DropletServer>,
+    grpc: Option<GrpcServer>,
 }
 
 impl Endpoints {
-    /// Binds the line protocol and, when asked for, droplet's endpoint.
+    /// Binds the line protocol and, when asked for, droplet's and the gRPC
+    /// endpoints.
     fn bind(
         self,
         engine: &Arc<Engine>,
         buckets: &Arc<Buckets>,
         clock: Arc<dyn Clock>,
-    ) -> Result<(Server, Option<DropletServer>), AppError> {
+    ) -> Result<Bound, AppError> {
         let limits = Limits {
             line_bytes_max: self.limits.line_bytes_max.max(1),
             connections_max: self.limits.connections_max.max(1),
@@ -178,8 +195,32 @@ impl Endpoints {
             addr: self.listen,
             source,
         })?;
+        let grpc = match self.grpc.listen {
+            Some(addr) => Some(
+                crate::envoy::bind(
+                    GrpcServerConfig {
+                        listen: addr,
+                        threads: self.threads,
+                        connections_max: limits.connections_max,
+                        drain_timeout_ms: self.drain_timeout_ms,
+                        message_bytes_max: self.grpc.message_bytes_max,
+                        streams_per_connection_max: self.grpc.streams_per_connection_max,
+                        first_byte_timeout_ms: self.grpc.first_byte_timeout_ms,
+                        limits: self.grpc.limits,
+                    },
+                    Arc::clone(engine),
+                    Arc::clone(&engine.metrics),
+                )
+                .map_err(|source| AppError::GrpcListen { addr, source })?,
+            ),
+            None => None,
+        };
         let Some(addr) = self.droplet_listen else {
-            return Ok((line, None));
+            return Ok(Bound {
+                line,
+                droplet: None,
+                grpc,
+            });
         };
         let droplet = crate::droplet::server::bind(
             DropletServerConfig {
@@ -194,7 +235,11 @@ impl Endpoints {
             Arc::clone(&engine.metrics),
         )
         .map_err(|source| AppError::DropletListen { addr, source })?;
-        Ok((line, Some(droplet)))
+        Ok(Bound {
+            line,
+            droplet: Some(droplet),
+            grpc,
+        })
     }
 }
 
@@ -224,6 +269,7 @@ pub struct App {
     parts: Parts,
     line: Server,
     droplet: Option<DropletServer>,
+    grpc: Option<GrpcServer>,
 }
 
 /// What a server is made of, built or serving.
@@ -355,8 +401,13 @@ impl App {
             limits: config.limits,
             drain_timeout_ms: config.drain_timeout_ms,
             message_bytes_max: config.droplet.message_bytes_max,
+            grpc: config.grpc,
         };
-        let (line, droplet) = endpoints.bind(&engine, &buckets, clock)?;
+        let Bound {
+            line,
+            droplet,
+            grpc,
+        } = endpoints.bind(&engine, &buckets, clock)?;
         Ok(App {
             parts: Parts {
                 engine,
@@ -373,6 +424,7 @@ impl App {
             },
             line,
             droplet,
+            grpc,
         })
     }
 
@@ -388,10 +440,15 @@ impl App {
             parts,
             line,
             droplet,
+            grpc,
         } = self;
         let line = line.spawn().map_err(AppError::Spawn)?;
         let droplet = droplet
             .map(DropletServer::spawn)
+            .transpose()
+            .map_err(AppError::Spawn)?;
+        let grpc = grpc
+            .map(GrpcServer::spawn)
             .transpose()
             .map_err(AppError::Spawn)?;
         if let Some(observability) = &parts.observability {
@@ -408,9 +465,11 @@ impl App {
         Ok(RunningApp {
             local_addr: line.local_addr,
             droplet_addr: droplet.as_ref().map(|droplet| droplet.local_addr),
+            grpc_addr: grpc.as_ref().map(|grpc| grpc.local_addr),
             parts,
             line: Some(line),
             droplet,
+            grpc,
         })
     }
 
@@ -445,9 +504,11 @@ impl App {
 pub struct RunningApp {
     local_addr: SocketAddr,
     droplet_addr: Option<SocketAddr>,
+    grpc_addr: Option<SocketAddr>,
     parts: Parts,
     line: Option<Serving>,
     droplet: Option<Serving>,
+    grpc: Option<Serving>,
 }
 
 impl RunningApp {
@@ -459,6 +520,11 @@ impl RunningApp {
     /// Where droplet's WebSocket endpoint listens, when it is served.
     pub fn droplet_addr(&self) -> Option<SocketAddr> {
         self.droplet_addr
+    }
+
+    /// Where Envoy's rate limit service (gRPC) listens, when it is served.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc_addr
     }
 
     /// `http://<addr><metrics path>`, when metrics are served over HTTP.
@@ -543,6 +609,9 @@ impl RunningApp {
         }
         if let Some(droplet) = self.droplet.take() {
             droplet.stop();
+        }
+        if let Some(grpc) = self.grpc.take() {
+            grpc.stop();
         }
         if let Some(persistence) = self.parts.persistence.take() {
             match persistence.stop_and_flush() {

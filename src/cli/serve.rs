@@ -13,6 +13,7 @@ use crate::cluster::auth::SecretError;
 use crate::cluster::ClusterError;
 use crate::droplet::DropletConfig;
 use crate::engine::UnavailablePolicy;
+use crate::envoy::{EnvoyLimits, GrpcConfig};
 use crate::server::Limits;
 use crate::store::redis::{BackendKind, RedisConfig};
 use crate::store::MemoryStoreConfig;
@@ -111,6 +112,9 @@ pub struct ServeArgs {
     pub droplet: DropletArgs,
 
     #[command(flatten)]
+    pub grpc: GrpcArgs,
+
+    #[command(flatten)]
     pub observability: ObservabilityArgs,
 
     #[command(flatten)]
@@ -148,6 +152,60 @@ pub struct DropletArgs {
     /// refused (`accept: false` over WebSocket, `ERR` on a line).
     #[arg(long, default_value_t = DropletConfig::default().buckets_max)]
     pub droplet_buckets_max: usize,
+}
+
+/// The flags of Envoy's rate limit service (gRPC).
+#[derive(Args, Debug, Clone)]
+pub struct GrpcArgs {
+    /// Serve Envoy's rate limit service (gRPC, `ShouldRateLimit`) and gRPC
+    /// health on ADDR; without a value, on 0.0.0.0:8081 (envoyproxy/ratelimit's
+    /// port). Off unless given. See docs/envoy.md.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        num_args = 0..=1,
+        default_missing_value = "0.0.0.0:8081",
+        value_parser = super::values::parse_listen
+    )]
+    pub grpc_listen: Option<SocketAddr>,
+
+    /// Largest gRPC request message, in bytes; larger is answered
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = GrpcConfig::default().message_bytes_max)]
+    pub grpc_message_bytes_max: usize,
+
+    /// Most concurrent gRPC calls (HTTP/2 streams) per connection.
+    #[arg(long, default_value_t = GrpcConfig::default().streams_per_connection_max)]
+    pub grpc_streams_max: u32,
+
+    /// Most descriptors in one ShouldRateLimit request (more: INVALID_ARGUMENT).
+    #[arg(long, default_value_t = EnvoyLimits::default().descriptors_max)]
+    pub grpc_descriptors_max: usize,
+
+    /// Most entries in one descriptor (more: INVALID_ARGUMENT).
+    #[arg(long, default_value_t = EnvoyLimits::default().entries_per_descriptor_max)]
+    pub grpc_entries_max: usize,
+
+    /// Largest hits_addend (more: INVALID_ARGUMENT); a request of n hits is
+    /// decided as n hits in a row.
+    #[arg(long, default_value_t = EnvoyLimits::default().hits_addend_max)]
+    pub grpc_hits_addend_max: u64,
+}
+
+impl GrpcArgs {
+    fn into_config(self) -> GrpcConfig {
+        GrpcConfig {
+            listen: self.grpc_listen,
+            message_bytes_max: self.grpc_message_bytes_max,
+            streams_per_connection_max: self.grpc_streams_max,
+            first_byte_timeout_ms: GrpcConfig::default().first_byte_timeout_ms,
+            limits: EnvoyLimits {
+                descriptors_max: self.grpc_descriptors_max,
+                entries_per_descriptor_max: self.grpc_entries_max,
+                hits_addend_max: self.grpc_hits_addend_max,
+            },
+        }
+    }
 }
 
 /// Flags of the Redis backend and of Redis persistence.
@@ -259,6 +317,7 @@ impl ServeArgs {
                 cleanup_interval_ms: self.droplet.droplet_cleanup_interval_ms,
                 buckets_max: self.droplet.droplet_buckets_max,
             },
+            grpc: self.grpc.into_config(),
             observability: self.observability.into_config()?,
             redis: self.redis.into_config(),
             cluster,
@@ -296,6 +355,9 @@ fn announce(app: &RunningApp) {
     );
     if let Some(addr) = app.droplet_addr() {
         println!("tollgate: listening on {addr} (droplet protocol)");
+    }
+    if let Some(addr) = app.grpc_addr() {
+        println!("tollgate: listening on {addr} (Envoy rate limit service, gRPC)");
     }
     if let Some(url) = app.metrics_url() {
         println!("tollgate: serving Prometheus metrics at {url}, health at /healthz and /readyz");

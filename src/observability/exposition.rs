@@ -13,7 +13,10 @@ use super::health::Readiness;
 use crate::cluster::ClusterSnapshot;
 use crate::droplet::Buckets;
 use crate::engine::Engine;
-use crate::metrics::{HitStatus, Metrics, StatsdDrop, ERROR_CODES, HIT_DURATION_BUCKETS_SECONDS};
+use crate::metrics::{
+    GrpcMethod, HitStatus, Metrics, StatsdDrop, ERROR_CODES, GRPC_CODES,
+    HIT_DURATION_BUCKETS_SECONDS,
+};
 use crate::store::MemoryStore;
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{
@@ -113,6 +116,12 @@ const DIVVY_ERRORS: Family = Family {
     help: "Counter of total Divvy errors.",
     kind: MetricType::COUNTER,
     labels: &["code"],
+};
+const GRPC_REQUESTS: Family = Family {
+    name: "tollgate_grpc_requests_total",
+    help: "gRPC calls answered (Envoy's rate limit service, --grpc-listen), by method and gRPC status code.",
+    kind: MetricType::COUNTER,
+    labels: &["method", "code"],
 };
 const BUILD_INFO: Family = Family {
     name: "tollgate_build_info",
@@ -307,7 +316,7 @@ cluster_family!(
 cluster_family!(CLUSTER_SHARDS_UNSERVABLE, "tollgate_cluster_shards_unservable", MetricType::GAUGE,
     "Shards a hit sent to this node could not be decided for now (no leader, or the leader unreachable).");
 
-const FAMILIES: [&Family; 32] = [
+const FAMILIES: [&Family; 33] = [
     &CLUSTER_ROUNDS,
     &CLUSTER_ROUND_SECTIONS,
     &CLUSTER_STATES_REPLICATED,
@@ -340,6 +349,7 @@ const FAMILIES: [&Family; 32] = [
     &BACKEND_ERRORS,
     &BACKEND_HEALTHY,
     &STATSD_DROPPED,
+    &GRPC_REQUESTS,
 ];
 
 struct ServerCollector {
@@ -420,6 +430,7 @@ impl Collector for ServerCollector {
                 vec![gauge(&BACKEND_HEALTHY, &[backend], healthy)],
             ),
             family(&STATSD_DROPPED, statsd_dropped),
+            family(&GRPC_REQUESTS, grpc_requests(metrics)),
         ];
         if let Some(store) = &self.sources.store {
             use std::sync::atomic::Ordering::Relaxed;
@@ -462,6 +473,41 @@ fn hits(metrics: &Metrics) -> Vec<Metric> {
     }
     samples
 }
+
+/// One sample per (method, code) that has counted at least one call.
+fn grpc_requests(metrics: &Metrics) -> Vec<Metric> {
+    let mut samples = Vec::new();
+    for method in GrpcMethod::ALL {
+        for (code, name) in GRPC_CODE_NAMES.iter().enumerate() {
+            let count = metrics.grpc_responses(method, code);
+            if count > 0 {
+                samples.push(counter(&GRPC_REQUESTS, &[method.as_str(), name], count));
+            }
+        }
+    }
+    samples
+}
+
+/// gRPC status codes by number, as the gRPC specification names them.
+const GRPC_CODE_NAMES: [&str; GRPC_CODES] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
 
 fn hit_duration(metrics: &Metrics) -> Metric {
     let (counts, sum_seconds) = metrics.hit_durations();

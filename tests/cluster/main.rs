@@ -2,17 +2,21 @@
 //! failover, partitions (through fault-injection proxies), membership changes
 //! and moving shards without errors,
 //! rolling restarts, chaos, the peer port's authentication, and what an
-//! operator watches and types (readiness, metrics, the membership commands)
+//! operator watches and types (readiness, metrics, the membership commands),
+//! Envoy's gRPC calls on any node
 //! (`cluster_support` starts and stops them; every wait is bounded).
 
 // A test stops at the first thing that is not as it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod cluster_support;
+#[path = "../util/envoy.rs"]
+mod envoy_client;
 
 mod test_auth;
 mod test_basic;
 mod test_chaos;
+mod test_envoy;
 mod test_failover;
 mod test_membership;
 mod test_moves;

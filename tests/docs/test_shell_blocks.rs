@@ -5,8 +5,9 @@
 //! `target/release/tollgate`), `rules.ini` holding divvy's example rules
 //! and `cluster/` the repository's scripts. Documented addresses become free
 //! ones: ports 8321-8324 and 9321-9324 (clients and peers of nodes 1-4),
-//! 9102 (metrics), `:3000` and `:4000` (droplet) are mapped to free ports
-//! (and `PORT`, `BASE_PORT` say so to the server and `cluster/local.sh`),
+//! 9102 (metrics), `:3000` and `:4000` (droplet), `:8081` (gRPC) are mapped
+//! to free ports (and `PORT`, `BASE_PORT` say so to the server and
+//! `cluster/local.sh`),
 //! and `/etc/tollgate/` and `/run/` to directories of the scratch
 //! directory. Each block's processes are killed when it ends, background
 //! servers when the file's last block ran. Every failure is reported with
@@ -82,6 +83,7 @@ impl Ports {
                     map.push(((8321 + i).to_string(), (base + i).to_string()));
                     map.push(((9321 + i).to_string(), (base + 1000 + i).to_string()));
                 }
+                map.push((":8081".into(), format!(":{}", base + 4)));
                 map.push(("9102".into(), (base + 5).to_string()));
                 map.push((":3000".into(), format!(":{}", base + 6)));
                 map.push((":4000".into(), format!(":{}", base + 7)));

@@ -1,7 +1,8 @@
 //! One server, in process or as the `tollgate` binary, over real sockets: the
 //! line protocol (framing, errors, pipelining), windows and algorithms on a
 //! manual clock, the limits against bad clients, reload, the command line,
-//! observability, droplet's two front ends, and the published Node clients.
+//! observability, droplet's two front ends, Envoy's rate limit service (gRPC),
+//! and the published Node clients.
 //! Every in-process server starts through `App`, as the binary does (`util`).
 
 // A test stops at the first thing that is not as it should be.
@@ -16,6 +17,7 @@ mod test_concurrency;
 mod test_droplet_lines;
 mod test_droplet_node;
 mod test_droplet_websocket;
+mod test_envoy;
 mod test_limits;
 mod test_node_clients;
 mod test_observability;

@@ -2,10 +2,12 @@
 //! 127.0.0.1 port 0, built in-process by [`App`] (the binary's startup, its
 //! own serving threads), raw-byte conversations, and a manual clock when a
 //! test must control time. [`redis`] adds a real `redis-server`, [`droplet`]
-//! the WebSocket endpoint.
+//! the WebSocket endpoint, [`envoy`] a gRPC client of Envoy's rate limit
+//! service.
 #![allow(dead_code)]
 
 pub mod droplet;
+pub mod envoy;
 pub mod redis;
 
 use std::io::{Read, Write};

@@ -14,7 +14,7 @@ const LAYERS: &[&[&str]] = &[
     &["store"],
     &["engine"],
     &["server"],
-    &["cluster", "droplet"],
+    &["cluster", "droplet", "envoy"],
     &["observability"],
     &["app"],
     &["cli"],

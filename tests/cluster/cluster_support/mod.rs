@@ -122,6 +122,9 @@ pub struct TestCluster {
     /// With [`TestCluster::start_observed`]: each node's HTTP metrics and
     /// health listener (`--metrics-listen`, metrics at `/metrics`).
     pub metrics: BTreeMap<u64, SocketAddr>,
+    /// With [`TestCluster::start_grpc`]: each node's gRPC endpoint
+    /// (`--grpc-listen`, Envoy's rate limit service).
+    pub grpc: BTreeMap<u64, SocketAddr>,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -154,11 +157,25 @@ impl TestCluster {
     /// `/metrics`, `/healthz` and `/readyz` on its own port
     /// ([`TestCluster::metrics_addr`]).
     pub fn start_observed(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, true)
+        Self::start_full(count, shards, args, proxied, true, false)
+    }
+
+    /// Like [`TestCluster::start`], every node also serving Envoy's rate
+    /// limit service on its own port ([`TestCluster::grpc_addr`]).
+    pub fn start_grpc(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_full(count, shards, args, false, false, true)
+    }
+
+    /// Node `id`'s gRPC endpoint (clusters started with `start_grpc` only).
+    pub fn grpc_addr(&self, id: u64) -> SocketAddr {
+        *self
+            .grpc
+            .get(&id)
+            .unwrap_or_else(|| panic!("node {id} serves no gRPC: use start_grpc"))
     }
 
     fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, false)
+        Self::start_full(count, shards, args, proxied, false, false)
     }
 
     fn start_full(
@@ -167,13 +184,25 @@ impl TestCluster {
         args: &[&str],
         proxied: bool,
         observed: bool,
+        grpc: bool,
     ) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         // Every port the nodes will bind (clients, peers, metrics) stays
         // taken until the proxies are bound, which could be given one of
         // them otherwise.
-        let reserved = reserve_ports(count * if observed { 3 } else { 2 });
+        let per_node = 2 + usize::from(observed) + usize::from(grpc);
+        let reserved = reserve_ports(count * per_node);
         let ports = ports_of(&reserved);
+        // After the clients', peers' and metrics' ports.
+        let grpc_ports = &ports[count * (per_node - usize::from(grpc))..];
+        let grpc_addrs: BTreeMap<u64, SocketAddr> = if grpc {
+            (1..=count as u64)
+                .zip(grpc_ports)
+                .map(|(id, &port)| (id, SocketAddr::from(([127, 0, 0, 1], port))))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
         let metrics: BTreeMap<u64, SocketAddr> = if observed {
             (1..=count as u64)
                 .zip(&ports[count * 2..])
@@ -223,6 +252,7 @@ impl TestCluster {
             proxies,
             secret_path,
             metrics,
+            grpc: grpc_addrs,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -266,6 +296,9 @@ impl TestCluster {
         for ((_, to), proxy) in self.proxies.range((id, 0)..=(id, u64::MAX)) {
             args.push("--peer-route".to_string());
             args.push(format!("{to}={}", proxy.addr));
+        }
+        if let Some(addr) = self.grpc.get(&id) {
+            args.extend(["--grpc-listen".to_string(), addr.to_string()]);
         }
         if let Some(addr) = self.metrics.get(&id) {
             args.extend([

@@ -1,0 +1,437 @@
+//! From Envoy's `RateLimitRequest` to divvy operations, and from divvy's
+//! decisions back to Envoy's `RateLimitResponse`, with no I/O (so that the
+//! fuzz target `envoy_mapping` can drive it). Each descriptor becomes one
+//! operation `domain=<domain> k1=v1 k2=v2 …`, matched by the ordered rules
+//! like a `HIT` line; its hits are the descriptor's `hits_addend`, else the
+//! request's, else 1; an explicit descriptor `hits_addend` of 0 asks what a
+//! hit would get without counting it (`PEEK`). Every descriptor is decided
+//! and counted whether or not another one is over its limit, as
+//! envoyproxy/ratelimit does; the request is `OVER_LIMIT` when any is.
+//!
+//! Requests whose shape is outside [`EnvoyLimits`], or that cannot be an
+//! operation (empty domain, no descriptors, a descriptor without entries, an
+//! entry named `domain`, negative hits), are refused whole, before anything
+//! is counted, with a [`MappingError`] that becomes `INVALID_ARGUMENT`.
+
+use crate::engine::{OperationAnswer, Reply};
+use crate::limiter::Decision;
+use crate::rules::Quota;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration;
+
+/// The key the request's domain takes in each operation.
+pub const DOMAIN_KEY: &str = "domain";
+
+/// Bounds on one request's shape, each refused with `INVALID_ARGUMENT`
+/// beyond (the message size itself is bounded by the server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvoyLimits {
+    /// Most descriptors in one request.
+    pub descriptors_max: usize,
+    /// Most entries in one descriptor.
+    pub entries_per_descriptor_max: usize,
+    /// Largest `hits_addend` (request or descriptor): a request of `n` hits
+    /// is decided as `n` hits in a row, so this bounds a request's work.
+    pub hits_addend_max: u64,
+}
+
+impl Default for EnvoyLimits {
+    fn default() -> Self {
+        EnvoyLimits {
+            descriptors_max: 64,
+            entries_per_descriptor_max: 64,
+            hits_addend_max: 1_000,
+        }
+    }
+}
+
+/// Why a request cannot be mapped; answered `INVALID_ARGUMENT` with this text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MappingError {
+    #[error("rate limit domain must not be empty")]
+    EmptyDomain,
+    #[error("rate limit descriptor list must not be empty")]
+    NoDescriptors,
+    #[error(
+        "{count} descriptors in one request, more than the {max} allowed (--grpc-descriptors-max)"
+    )]
+    TooManyDescriptors { count: usize, max: usize },
+    #[error("descriptor {index} has no entries")]
+    EmptyDescriptor { index: usize },
+    #[error(
+        "descriptor {index} has {count} entries, more than the {max} allowed (--grpc-entries-max)"
+    )]
+    TooManyEntries {
+        index: usize,
+        count: usize,
+        max: usize,
+    },
+    #[error("descriptor {index}: the entry key `domain` is reserved for the request's domain")]
+    ReservedKey { index: usize },
+    #[error("descriptor {index}: hits_addend {hits} is more than the {max} allowed (--grpc-hits-addend-max)")]
+    TooManyHits { index: usize, hits: u64, max: u64 },
+    #[error("descriptor {index}: negative hits (is_negative_hits) are not supported: divvy's windows only count up")]
+    NegativeHits { index: usize },
+}
+
+/// One descriptor as a divvy operation: its pairs (the domain first), how
+/// many hits it counts, and whether it only looks (`PEEK`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operation<'a> {
+    pub pairs: Vec<(&'a str, &'a str)>,
+    pub hits: u32,
+    pub peek: bool,
+}
+
+/// Decodes a `RateLimitRequest` message (the gRPC frame's payload); every
+/// failure, strings that are not UTF-8 included, is the client's.
+pub fn decode_request(bytes: impl prost::bytes::Buf) -> Result<RateLimitRequest, String> {
+    use prost::Message;
+    RateLimitRequest::decode(bytes).map_err(|error| format!("malformed RateLimitRequest: {error}"))
+}
+
+/// The operations of `request`, one per descriptor in order, or why there
+/// are none. Nothing is counted for a refused request.
+pub fn operations<'a>(
+    request: &'a RateLimitRequest,
+    limits: &EnvoyLimits,
+) -> Result<Vec<Operation<'a>>, MappingError> {
+    if request.domain.is_empty() {
+        return Err(MappingError::EmptyDomain);
+    }
+    let count = request.descriptors.len();
+    if count == 0 {
+        return Err(MappingError::NoDescriptors);
+    }
+    if count > limits.descriptors_max {
+        return Err(MappingError::TooManyDescriptors {
+            count,
+            max: limits.descriptors_max,
+        });
+    }
+    let hits_max = limits.hits_addend_max.min(u64::from(u32::MAX));
+    let mut operations = Vec::with_capacity(count);
+    for (index, descriptor) in request.descriptors.iter().enumerate() {
+        let entries = descriptor.entries.len();
+        if entries == 0 {
+            return Err(MappingError::EmptyDescriptor { index });
+        }
+        if entries > limits.entries_per_descriptor_max {
+            return Err(MappingError::TooManyEntries {
+                index,
+                count: entries,
+                max: limits.entries_per_descriptor_max,
+            });
+        }
+        if descriptor.is_negative_hits {
+            return Err(MappingError::NegativeHits { index });
+        }
+        // proto3 cannot tell the request's 0 from unset: 0 is Envoy's
+        // default of 1. The descriptor's wrapper can: 0 there is a look.
+        let (hits, peek) = match &descriptor.hits_addend {
+            Some(wrapper) => (wrapper.value, wrapper.value == 0),
+            None => (u64::from(request.hits_addend.max(1)), false),
+        };
+        if hits > hits_max {
+            return Err(MappingError::TooManyHits {
+                index,
+                hits,
+                max: hits_max,
+            });
+        }
+        let mut pairs = Vec::with_capacity(entries + 1);
+        pairs.push((DOMAIN_KEY, request.domain.as_str()));
+        for entry in &descriptor.entries {
+            if entry.key == DOMAIN_KEY {
+                return Err(MappingError::ReservedKey { index });
+            }
+            pairs.push((entry.key.as_str(), entry.value.as_str()));
+        }
+        operations.push(Operation {
+            pairs,
+            // Bounded by `hits_max` above, itself at most `u32::MAX`.
+            hits: u32::try_from(hits.max(1)).unwrap_or(u32::MAX),
+            peek,
+        });
+    }
+    Ok(operations)
+}
+
+/// Envoy's unit for a window of `reset_seconds`, when it has one: the four
+/// of the issue plus week, and month and year as envoyproxy/ratelimit
+/// counts them (30 and 365 days).
+pub fn unit_of(reset_seconds: u64) -> Option<Unit> {
+    match reset_seconds {
+        1 => Some(Unit::Second),
+        60 => Some(Unit::Minute),
+        3_600 => Some(Unit::Hour),
+        86_400 => Some(Unit::Day),
+        604_800 => Some(Unit::Week),
+        2_592_000 => Some(Unit::Month),
+        31_536_000 => Some(Unit::Year),
+        _ => None,
+    }
+}
+
+fn clamp_u32(value: i64) -> u32 {
+    u32::try_from(value.max(0)).unwrap_or(u32::MAX)
+}
+
+fn limit(label: Option<&str>, requests: u64, unit: Unit) -> RateLimit {
+    RateLimit {
+        name: label.unwrap_or("").to_owned(),
+        requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
+        unit: unit as i32,
+    }
+}
+
+/// A descriptor's status from the decision of its operation, or, for a
+/// backend failure (`ERR` on a line), its message.
+pub fn descriptor_status(answer: &OperationAnswer) -> Result<DescriptorStatus, String> {
+    let decision: Decision = match &answer.reply {
+        Reply::Decision(decision) => *decision,
+        Reply::Error { message, .. } => return Err(message.to_string()),
+        Reply::Line(line) => return Err(format!("unexpected answer: {line}")),
+    };
+    let code = if decision.allowed {
+        Code::Ok
+    } else {
+        Code::OverLimit
+    };
+    let label = answer.label.as_deref();
+    let (current_limit, duration_until_reset) = match answer.quota {
+        // Unlimited: envoyproxy/ratelimit sends no limit for these either.
+        Some(Quota::AlwaysAllow { .. }) | None => (None, None),
+        // `creditLimit = 0`: zero per whatever unit (none fits "never").
+        Some(Quota::AlwaysDeny) => (Some(limit(label, 0, Unit::Unknown)), None),
+        Some(Quota::Limited {
+            credit_limit,
+            reset_seconds,
+        }) => (
+            // A window without an Envoy unit keeps its limit and says
+            // `UNKNOWN` rather than a rate it does not enforce.
+            Some(limit(
+                label,
+                credit_limit,
+                unit_of(reset_seconds).unwrap_or(Unit::Unknown),
+            )),
+            Some(Duration {
+                seconds: decision.next_reset_seconds.max(0),
+                nanos: 0,
+            }),
+        ),
+    };
+    Ok(DescriptorStatus {
+        code: code as i32,
+        current_limit,
+        limit_remaining: clamp_u32(decision.credit),
+        duration_until_reset,
+        quota: None,
+    })
+}
+
+/// The response for every descriptor's status, in request order:
+/// `OVER_LIMIT` when any is.
+pub fn response(statuses: Vec<DescriptorStatus>) -> RateLimitResponse {
+    let over = statuses.iter().any(|s| s.code == Code::OverLimit as i32);
+    RateLimitResponse {
+        overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        ..RateLimitResponse::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::google::protobuf::UInt64Value;
+
+    fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+        RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..RateLimitDescriptor::default()
+        }
+    }
+
+    fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+        RateLimitRequest {
+            domain: domain.into(),
+            descriptors,
+            hits_addend: 0,
+        }
+    }
+
+    #[test]
+    fn each_descriptor_is_one_operation_with_the_domain_first() {
+        let request = request(
+            "edge",
+            vec![
+                descriptor(&[("path", "/a"), ("ip", "1.2.3.4")]),
+                descriptor(&[("user", "u")]),
+            ],
+        );
+        let ops = operations(&request, &EnvoyLimits::default()).unwrap();
+        assert_eq!(ops.len(), 2);
+        assert_eq!(
+            ops[0].pairs,
+            vec![("domain", "edge"), ("path", "/a"), ("ip", "1.2.3.4")]
+        );
+        assert_eq!((ops[0].hits, ops[0].peek), (1, false));
+        assert_eq!(ops[1].pairs, vec![("domain", "edge"), ("user", "u")]);
+    }
+
+    #[test]
+    fn hits_come_from_the_descriptor_then_the_request_and_zero_peeks() {
+        let mut request = request("d", vec![descriptor(&[("k", "v")]); 3]);
+        request.hits_addend = 5;
+        request.descriptors[1].hits_addend = Some(UInt64Value { value: 7 });
+        request.descriptors[2].hits_addend = Some(UInt64Value { value: 0 });
+        let ops = operations(&request, &EnvoyLimits::default()).unwrap();
+        let hits: Vec<_> = ops.iter().map(|op| (op.hits, op.peek)).collect();
+        assert_eq!(hits, vec![(5, false), (7, false), (1, true)]);
+    }
+
+    #[test]
+    fn bad_shapes_are_refused_whole() {
+        let limits = EnvoyLimits::default();
+        let ok = || descriptor(&[("k", "v")]);
+        let cases = [
+            (request("", vec![ok()]), MappingError::EmptyDomain),
+            (request("d", vec![]), MappingError::NoDescriptors),
+            (
+                request("d", vec![ok(); 65]),
+                MappingError::TooManyDescriptors { count: 65, max: 64 },
+            ),
+            (
+                request("d", vec![ok(), descriptor(&[])]),
+                MappingError::EmptyDescriptor { index: 1 },
+            ),
+            (
+                request("d", vec![descriptor(&[("domain", "other")])]),
+                MappingError::ReservedKey { index: 0 },
+            ),
+        ];
+        for (request, expected) in cases {
+            assert_eq!(operations(&request, &limits), Err(expected));
+        }
+        let many: Vec<(String, String)> = (0..10_000)
+            .map(|i| (format!("k{i}"), "v".to_owned()))
+            .collect();
+        let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (&**k, &**v)).collect();
+        assert_eq!(
+            operations(&request("d", vec![descriptor(&many)]), &limits),
+            Err(MappingError::TooManyEntries {
+                index: 0,
+                count: 10_000,
+                max: 64
+            })
+        );
+        let mut huge = request("d", vec![ok()]);
+        huge.hits_addend = u32::MAX;
+        assert_eq!(
+            operations(&huge, &limits),
+            Err(MappingError::TooManyHits {
+                index: 0,
+                hits: u64::from(u32::MAX),
+                max: 1_000
+            })
+        );
+        let mut negative = request("d", vec![ok()]);
+        negative.descriptors[0].is_negative_hits = true;
+        assert_eq!(
+            operations(&negative, &limits),
+            Err(MappingError::NegativeHits { index: 0 })
+        );
+    }
+
+    fn answer(reply: Reply, quota: Option<Quota>) -> OperationAnswer {
+        OperationAnswer {
+            reply,
+            quota,
+            label: Some("api".into()),
+        }
+    }
+
+    #[test]
+    fn statuses_carry_the_limit_the_remaining_credit_and_the_reset() {
+        let limited = |reset_seconds| Quota::Limited {
+            credit_limit: 10,
+            reset_seconds,
+        };
+        let decided = |allowed, credit, next| {
+            Reply::Decision(Decision {
+                allowed,
+                credit,
+                next_reset_seconds: next,
+            })
+        };
+        let status = descriptor_status(&answer(decided(true, 7, 42), Some(limited(60)))).unwrap();
+        assert_eq!(status.code, Code::Ok as i32);
+        assert_eq!(
+            status.current_limit,
+            Some(RateLimit {
+                name: "api".into(),
+                requests_per_unit: 10,
+                unit: Unit::Minute as i32
+            })
+        );
+        assert_eq!(status.limit_remaining, 7);
+        assert_eq!(status.duration_until_reset.unwrap().seconds, 42);
+
+        let odd = descriptor_status(&answer(decided(false, 0, 20), Some(limited(30)))).unwrap();
+        assert_eq!(odd.code, Code::OverLimit as i32);
+        assert_eq!(odd.current_limit.unwrap().unit, Unit::Unknown as i32);
+
+        let deny = descriptor_status(&answer(
+            Reply::Decision(Decision::ALWAYS_DENY),
+            Some(Quota::AlwaysDeny),
+        ))
+        .unwrap();
+        assert_eq!(deny.code, Code::OverLimit as i32);
+        assert_eq!(deny.current_limit.unwrap().requests_per_unit, 0);
+        assert_eq!(deny.duration_until_reset, None);
+
+        let allow = descriptor_status(&answer(
+            Reply::Decision(Decision::always_allow(5)),
+            Some(Quota::AlwaysAllow { credit_limit: 5 }),
+        ))
+        .unwrap();
+        assert_eq!(
+            (allow.code, allow.current_limit, allow.limit_remaining),
+            (Code::Ok as i32, None, 5)
+        );
+
+        assert_eq!(
+            descriptor_status(&answer(Reply::error("backend timed out after 5 ms"), None)),
+            Err("backend timed out after 5 ms".to_owned())
+        );
+    }
+
+    #[test]
+    fn the_response_is_over_limit_when_any_descriptor_is() {
+        let status = |code: Code| DescriptorStatus {
+            code: code as i32,
+            ..DescriptorStatus::default()
+        };
+        assert_eq!(
+            response(vec![status(Code::Ok), status(Code::Ok)]).overall_code,
+            Code::Ok as i32
+        );
+        assert_eq!(
+            response(vec![status(Code::Ok), status(Code::OverLimit)]).overall_code,
+            Code::OverLimit as i32
+        );
+    }
+}

@@ -1,0 +1,310 @@
+//! The gRPC endpoint (`--grpc-listen`): HTTP/2 connections on the
+//! thread-per-core acceptor that the line protocol and droplet share (the
+//! connection limit, panics and drain are handled there), each served by
+//! hyper's HTTP/2 server, with tonic framing the calls. Two methods are
+//! answered: `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`
+//! and `grpc.health.v1.Health/Check`; any other is `UNIMPLEMENTED`.
+//!
+//! Bad input stays bounded: a message larger than `message_bytes_max` is
+//! refused (`RESOURCE_EXHAUSTED`) before it is buffered, one that does not
+//! decode (truncated, non-UTF-8 strings) is `INVALID_ARGUMENT`, streams per
+//! connection are capped (more wait for HTTP/2 flow control; rapid resets
+//! are capped by hyper), a connection that sends nothing is closed after
+//! `first_byte_timeout_ms`, and keep-alive pings drop peers that stopped
+//! answering. Every call is counted in `tollgate_grpc_requests_total` by
+//! method and status code.
+
+use super::mapping::{self, EnvoyLimits};
+use crate::engine::Engine;
+use crate::metrics::{GrpcMethod, Metrics};
+use crate::protocol::Pairs;
+use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use futures_util::future::BoxFuture;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
+use tonic::codegen::http;
+use tonic::server::{Grpc, UnaryService};
+use tonic::Status;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+use tonic_prost::{ProstCodec, ProstEncoder};
+
+/// The path of Envoy's rate limit call.
+pub const SHOULD_RATE_LIMIT_PATH: &str =
+    "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+/// The path of the gRPC health check.
+pub const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
+/// Pings a connection idle this long, in milliseconds...
+const KEEP_ALIVE_INTERVAL_MS: u64 = 20_000;
+/// ...and closes it when the ping is not answered within this long.
+const KEEP_ALIVE_TIMEOUT_MS: u64 = 20_000;
+/// Largest request header block, in bytes.
+const HEADER_LIST_BYTES_MAX: u32 = 16 * 1024;
+/// Streams a client may reset before their handling starts (rapid reset).
+const PENDING_RESET_STREAMS_MAX: usize = 64;
+
+/// Where and how the gRPC endpoint serves.
+#[derive(Debug, Clone)]
+pub struct GrpcServerConfig {
+    pub listen: SocketAddr,
+    /// Serving threads (one runtime and listener each).
+    pub threads: usize,
+    /// Most connections open at once; more are closed at once.
+    pub connections_max: usize,
+    /// How long shutdown waits for connections to finish their calls.
+    pub drain_timeout_ms: u64,
+    /// Largest request message, in bytes.
+    pub message_bytes_max: usize,
+    /// Most concurrent streams per HTTP/2 connection.
+    pub streams_per_connection_max: u32,
+    /// A connection that sends nothing for this long after connecting is
+    /// closed (keep-alive pings watch it once HTTP/2 is up).
+    pub first_byte_timeout_ms: u64,
+    pub limits: EnvoyLimits,
+}
+
+/// What every gRPC connection shares.
+pub struct GrpcProtocol {
+    engine: Arc<Engine>,
+    message_bytes_max: usize,
+    streams_per_connection_max: u32,
+    first_byte_timeout_ms: u64,
+    limits: EnvoyLimits,
+}
+
+/// The endpoint with its listeners bound, not serving yet.
+pub type GrpcServer = ThreadPerCore<GrpcProtocol>;
+
+/// Binds the endpoint's listeners (one per serving thread).
+pub fn bind(
+    config: GrpcServerConfig,
+    engine: Arc<Engine>,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<GrpcServer> {
+    let handler = Arc::new(GrpcProtocol {
+        engine,
+        message_bytes_max: config.message_bytes_max.max(1),
+        streams_per_connection_max: config.streams_per_connection_max.max(1),
+        first_byte_timeout_ms: config.first_byte_timeout_ms.max(1),
+        limits: config.limits,
+    });
+    let acceptor = AcceptorConfig {
+        listen: config.listen,
+        threads: config.threads,
+        connections_max: config.connections_max.max(1),
+        drain_timeout_ms: config.drain_timeout_ms,
+        thread_name: "tollgate-grpc",
+    };
+    ThreadPerCore::bind(acceptor, handler, metrics)
+}
+
+/// A serving endpoint, as every endpoint's.
+pub type RunningGrpc = Serving;
+
+impl ConnectionHandler for GrpcProtocol {
+    async fn serve(self: Arc<Self>, stream: TcpStream, mut shutdown: watch::Receiver<bool>) {
+        let _ = stream.set_nodelay(true);
+        // A client that connects and says nothing would hold a connection
+        // slot for good: HTTP/2's keep-alive starts only after its preface.
+        let mut first = [0u8; 1];
+        let first_byte = tokio::time::timeout(
+            Duration::from_millis(self.first_byte_timeout_ms),
+            stream.peek(&mut first),
+        )
+        .await;
+        if !matches!(first_byte, Ok(Ok(read)) if read > 0) {
+            return;
+        }
+        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        builder
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(self.streams_per_connection_max)
+            .max_header_list_size(HEADER_LIST_BYTES_MAX)
+            .max_pending_accept_reset_streams(Some(PENDING_RESET_STREAMS_MAX))
+            .keep_alive_interval(Some(Duration::from_millis(KEEP_ALIVE_INTERVAL_MS)))
+            .keep_alive_timeout(Duration::from_millis(KEEP_ALIVE_TIMEOUT_MS));
+        let shared = Arc::clone(&self);
+        let service = hyper::service::service_fn(move |request| {
+            let shared = Arc::clone(&shared);
+            async move { Ok::<_, Infallible>(shared.route(request).await) }
+        });
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        tokio::pin!(connection);
+        if *shutdown.borrow() {
+            connection.as_mut().graceful_shutdown();
+        }
+        tokio::select! {
+            _ = connection.as_mut() => return,
+            _ = shutdown.changed() => connection.as_mut().graceful_shutdown(),
+        }
+        // GOAWAY sent: calls in progress finish (the acceptor bounds this).
+        let _ = connection.await;
+    }
+
+    async fn refuse(self: Arc<Self>, stream: TcpStream) {
+        // An HTTP/2 client retries a connection closed before its settings.
+        drop(stream);
+    }
+}
+
+impl GrpcProtocol {
+    async fn route(
+        self: Arc<Self>,
+        request: http::Request<Incoming>,
+    ) -> http::Response<tonic::body::Body> {
+        let metrics = Arc::clone(&self.engine.metrics);
+        let (method, response) = match request.uri().path() {
+            SHOULD_RATE_LIMIT_PATH => {
+                let mut grpc = Grpc::new(EnvoyCodec)
+                    // Ours answers RESOURCE_EXHAUSTED; tonic's, further up,
+                    // OUT_OF_RANGE (rewritten below), before buffering.
+                    .max_decoding_message_size(self.message_bytes_max);
+                let response = grpc
+                    .unary(ShouldRateLimit(Arc::clone(&self)), request)
+                    .await;
+                (GrpcMethod::ShouldRateLimit, response)
+            }
+            HEALTH_CHECK_PATH => {
+                let codec = ProstCodec::<HealthCheckResponse, HealthCheckRequest>::default();
+                let mut grpc = Grpc::new(codec).max_decoding_message_size(self.message_bytes_max);
+                let response = grpc.unary(HealthCheck, request).await;
+                (GrpcMethod::Health, response)
+            }
+            path => {
+                let status = Status::unimplemented(format!("no such method: {path}"));
+                return status.into_http();
+            }
+        };
+        let mut response = response;
+        let code = grpc_status(&response);
+        let code = if code == tonic::Code::OutOfRange as usize {
+            // tonic's refusal of a message over the size limit.
+            let refused = Status::resource_exhausted(format!(
+                "message larger than the {} bytes allowed (--grpc-message-bytes-max)",
+                self.message_bytes_max
+            ));
+            response = refused.into_http();
+            tonic::Code::ResourceExhausted as usize
+        } else {
+            code
+        };
+        metrics.grpc_response(method, code);
+        response
+    }
+
+    /// Decides every descriptor of `request`, in order.
+    async fn should_rate_limit(
+        &self,
+        request: RateLimitRequest,
+    ) -> Result<RateLimitResponse, Status> {
+        let operations = mapping::operations(&request, &self.limits)
+            .map_err(|error| Status::invalid_argument(error.to_string()))?;
+        let arrival = self.engine.arrival();
+        // Started together, so that a slower backend (Redis, a forwarded
+        // shard) decides the descriptors concurrently.
+        let outcomes: Vec<_> = operations
+            .iter()
+            .map(|operation| {
+                let pairs = Pairs::from_slice(&operation.pairs);
+                self.engine
+                    .decide_operation(&pairs, operation.hits, operation.peek, arrival)
+            })
+            .collect();
+        let mut statuses = Vec::with_capacity(outcomes.len());
+        for outcome in outcomes {
+            let answer = outcome.answer().await;
+            let status = mapping::descriptor_status(&answer).map_err(Status::unavailable)?;
+            statuses.push(status);
+        }
+        Ok(mapping::response(statuses))
+    }
+}
+
+/// The `grpc-status` of a trailers-only response (an error), else 0: a
+/// unary call's success sends its status in the trailers.
+fn grpc_status(response: &http::Response<tonic::body::Body>) -> usize {
+    response
+        .headers()
+        .get("grpc-status")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}
+
+struct ShouldRateLimit(Arc<GrpcProtocol>);
+
+impl UnaryService<RateLimitRequest> for ShouldRateLimit {
+    type Response = RateLimitResponse;
+    type Future = BoxFuture<'static, Result<tonic::Response<RateLimitResponse>, Status>>;
+
+    fn call(&mut self, request: tonic::Request<RateLimitRequest>) -> Self::Future {
+        let shared = Arc::clone(&self.0);
+        Box::pin(async move {
+            let response = shared.should_rate_limit(request.into_inner()).await?;
+            Ok(tonic::Response::new(response))
+        })
+    }
+}
+
+/// `grpc.health.v1.Health/Check`: serving for the whole server (`""`) and
+/// for the rate limit service; `NOT_FOUND` for any other service name.
+struct HealthCheck;
+
+/// The service name Envoy's health checks may ask for.
+const RATE_LIMIT_SERVICE: &str = "envoy.service.ratelimit.v3.RateLimitService";
+
+impl UnaryService<HealthCheckRequest> for HealthCheck {
+    type Response = HealthCheckResponse;
+    type Future = std::future::Ready<Result<tonic::Response<HealthCheckResponse>, Status>>;
+
+    fn call(&mut self, request: tonic::Request<HealthCheckRequest>) -> Self::Future {
+        let service = request.into_inner().service;
+        std::future::ready(match service.as_str() {
+            "" | RATE_LIMIT_SERVICE => Ok(tonic::Response::new(HealthCheckResponse {
+                status: ServingStatus::Serving as i32,
+            })),
+            other => Err(Status::not_found(format!("unknown service {other}"))),
+        })
+    }
+}
+
+/// Envoy's messages with a decoder whose every failure is the client's
+/// (`INVALID_ARGUMENT`): prost's own says `INTERNAL`.
+#[derive(Debug, Clone, Copy, Default)]
+struct EnvoyCodec;
+
+impl Codec for EnvoyCodec {
+    type Encode = RateLimitResponse;
+    type Decode = RateLimitRequest;
+    type Encoder = ProstEncoder<RateLimitResponse>;
+    type Decoder = RequestDecoder;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        ProstEncoder::new(BufferSettings::default())
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        RequestDecoder
+    }
+}
+
+struct RequestDecoder;
+
+impl Decoder for RequestDecoder {
+    type Item = RateLimitRequest;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
+        mapping::decode_request(src)
+            .map(Some)
+            .map_err(Status::invalid_argument)
+    }
+}
