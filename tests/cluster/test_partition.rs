@@ -227,7 +227,22 @@ fn isolated_leader_under_load(fault: Fault) {
     let election = wait_shards_serve(cluster.client(majority[0]), SHARDS, Duration::from_secs(10));
     let elected_at = Instant::now();
     wait_shards_serve(cluster.client(majority[1]), SHARDS, Duration::from_secs(5));
-    std::thread::sleep(Duration::from_millis(3_000));
+    // A hit of a shard the isolated node led, alone on its connection, every
+    // 300 ms for 3 s: the load's own batches may never lead with one (the
+    // server closes a connection after an `ERR`, so only a batch's first
+    // failing hit gets its answer).
+    let led_user = &users_led_by(&topology, SHARDS, victim, "isolated", 1)[0];
+    let led_probe = [format!("HIT path=/big user={led_user}")];
+    let mut led_answers: Vec<(Duration, String)> = Vec::new();
+    let probing_until = Instant::now() + Duration::from_millis(3_000);
+    while Instant::now() < probing_until {
+        let sent = Instant::now();
+        let answer = converse(cluster.client(victim), &led_probe)
+            .pop()
+            .unwrap_or_else(|| "(no answer)".into());
+        led_answers.push((sent.elapsed(), answer));
+        std::thread::sleep(Duration::from_millis(300));
+    }
     let during = sample(cluster.client(majority[1]));
     let (refused, dropped): (u64, u64) = cluster
         .proxies
@@ -273,11 +288,19 @@ fn isolated_leader_under_load(fault: Fault) {
         "the isolated node admitted {} hits while cut off (answered after {trues:?})",
         trues.len()
     );
-    let led_errs: Vec<Duration> = on_victim
+    let mut led_errs: Vec<Duration> = on_victim
         .iter()
         .filter(|h| led.contains(&shard_of_line[h.line]) && matches!(h.answer, Answered::Err(_)))
         .map(|h| h.answered - h.sent)
         .collect();
+    for (took, answer) in &led_answers {
+        assert!(
+            answer.starts_with("ERR ") && *took <= PROMPT_ERR_BOUND,
+            "a hit of shard {} (led by the isolated node {victim}) answered {answer:?} after {took:?}",
+            shard_of_user(SHARDS, "path=/big", BIG_LIMIT as u64, 600, led_user)
+        );
+        led_errs.push(*took);
+    }
     assert!(
         !led_errs.is_empty(),
         "no ERR for the led shards on the isolated node"
