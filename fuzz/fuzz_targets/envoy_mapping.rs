@@ -28,14 +28,14 @@ creditLimit = 5
 resetSeconds = 30
 matchPolicy = canary
 
-[domain=* user=*]
-creditLimit = 2
-resetSeconds = 1
-actorField = user
-
 [domain=closed]
 creditLimit = 0
 resetSeconds = 60
+
+[domain=* user=u*]
+creditLimit = 2
+resetSeconds = 1
+actorField = user
 
 [default]
 creditLimit = 10
