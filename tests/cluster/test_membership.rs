@@ -57,27 +57,6 @@ fn load(addr: SocketAddr, actors: Vec<String>, stop: Arc<AtomicBool>, seen: Arc<
     }
 }
 
-fn peek(addr: SocketAddr, path: &str, user: &str) -> (bool, i64) {
-    let answers = converse(addr, &[format!("PEEK path={path} user={user}")]);
-    let (allowed, credit, _) = answers
-        .first()
-        .and_then(|a| parse_ok(a))
-        .unwrap_or_else(|| panic!("PEEK via {addr}: {answers:?}"));
-    (allowed, credit)
-}
-
-/// A move's latency budgets for this test: the hits' longest wait for a
-/// leader and for a commit. The property under test is that moves cost no
-/// errors, only latency; with the defaults (2 s and 1 s) a suite running
-/// two clusters at once on two loaded cores sometimes needs more, so the
-/// budgets here are the machine's, not the product's.
-const MOVE_TIME_BUDGETS: &[&str] = &[
-    "--forward-timeout-ms",
-    "10000",
-    "--commit-timeout-ms",
-    "5000",
-];
-
 #[test]
 fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
     let mut cluster = TestCluster::start(3, 8, MOVE_TIME_BUDGETS);
@@ -176,7 +155,7 @@ fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
     );
     for id in 1..=4 {
         assert_eq!(
-            peek(cluster.client(id), "/limited", "keeper"),
+            peek_credit(cluster.client(id), "/limited", "keeper"),
             (true, 49),
             "node {id} after the add"
         );
@@ -234,7 +213,7 @@ fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
     // next hit would: 49 after it), on every member.
     for id in 2..=4 {
         assert_eq!(
-            peek(cluster.client(id), "/limited", "keeper"),
+            peek_credit(cluster.client(id), "/limited", "keeper"),
             (true, 49),
             "node {id} after the removal"
         );
@@ -251,7 +230,7 @@ fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
     // Load actors: every admitted hit is still counted (errors may or may
     // not have been counted: under-admission, never over).
     for (actor, admitted) in &seen.admitted {
-        let (_, credit) = peek(cluster.client(3), "/big", actor);
+        let (_, credit) = peek_credit(cluster.client(3), "/big", actor);
         let used = 1_000_000 - 1 - credit; // PEEK answers as a hit would.
         assert!(
             used as u64 >= *admitted,

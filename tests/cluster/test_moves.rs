@@ -80,27 +80,6 @@ fn spawn_load(
     std::thread::spawn(move || load(node, addr, pick, counter, stop, seen))
 }
 
-fn peek_credit(addr: SocketAddr, path: &str, user: &str) -> (bool, i64) {
-    let answers = converse(addr, &[format!("PEEK path={path} user={user}")]);
-    let (allowed, credit, _) = answers
-        .first()
-        .and_then(|a| parse_ok(a))
-        .unwrap_or_else(|| panic!("PEEK via {addr}: {answers:?}"));
-    (allowed, credit)
-}
-
-/// A move's latency budgets for this test: the hits' longest wait for a
-/// leader and for a commit. The property under test is that moves cost no
-/// errors, only latency; with the defaults (2 s and 1 s) a suite running
-/// two clusters at once on two loaded cores sometimes needs more, so the
-/// budgets here are the machine's, not the product's.
-const MOVE_TIME_BUDGETS: &[&str] = &[
-    "--forward-timeout-ms",
-    "10000",
-    "--commit-timeout-ms",
-    "5000",
-];
-
 #[test]
 fn no_errors_while_a_node_joins_and_another_leaves_under_load_on_every_node() {
     let mut cluster = TestCluster::start(3, 64, MOVE_TIME_BUDGETS);

@@ -848,6 +848,29 @@ pub fn spawn_load(
     })
 }
 
+/// `(allowed, credit)` that a `PEEK` of `user` under `path` sent to `addr`
+/// answers; panics unless it answers `OK`.
+pub fn peek_credit(addr: SocketAddr, path: &str, user: &str) -> (bool, i64) {
+    let answers = converse(addr, &[format!("PEEK path={path} user={user}")]);
+    let (allowed, credit, _) = answers
+        .first()
+        .and_then(|a| parse_ok(a))
+        .unwrap_or_else(|| panic!("PEEK via {addr}: {answers:?}"));
+    (allowed, credit)
+}
+
+/// Latency budgets for tests of moves under load: the hits' longest wait
+/// for a leader and for a commit. The property those tests check is that
+/// moves cost no errors, only latency; with the defaults (2 s and 1 s) a
+/// suite running two clusters at once on two loaded cores sometimes needs
+/// more, so these budgets are the machine's, not the product's.
+pub const MOVE_TIME_BUDGETS: &[&str] = &[
+    "--forward-timeout-ms",
+    "10000",
+    "--commit-timeout-ms",
+    "5000",
+];
+
 /// Credit used by `user` under `path` (limit `limit`), from a `PEEK` sent to
 /// `addr`; `None` when it did not answer `OK`.
 pub fn peek_used(addr: SocketAddr, path: &str, limit: i64, user: &str) -> Option<i64> {
