@@ -10,8 +10,9 @@
 //!   replicas);
 //! - the data path: `replica` (a shard's fence and commit rule), `rounds`
 //!   (replication rounds and their commits), `outbox` (what goes to a peer),
-//!   `dataplane` (inbound frames, the replicator), `forward` (a connection's read batch: local
-//!   decisions and forwarding), `backend` (the `Backend` and `TOPOLOGY`);
+//!   `dataplane` (inbound frames), `replicator` (closing and sending
+//!   rounds), `forward` (a connection's read batch: local decisions and
+//!   forwarding), `backend` (the `Backend` and `TOPOLOGY`);
 //! - Raft for leadership and membership: [`storage`] (the groups' logs),
 //!   `leadership` (preparing leaders, elections, handovers);
 //! - the wire: [`wire`] (messages), [`codec`] (control frames, bincode),
@@ -44,6 +45,7 @@ mod peer_server;
 pub mod placement;
 pub mod plan;
 mod replica;
+mod replicator;
 mod rounds;
 pub mod status;
 pub mod storage;

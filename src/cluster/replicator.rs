@@ -1,0 +1,244 @@
+//! The replicator of one node: closes the open round of states this node
+//! decided as a shard's leader, sends each shard's section to the shard's
+//! other replicas in one frame per peer, times out sections that did not
+//! commit, and releases the answers waiting for them (strict mode) once
+//! they commit or fail. It is an `impl` block of [`DataPlane`], kept apart
+//! from the inbound side (`dataplane.rs`) so each file has one job.
+
+use super::data_frames::{begin_counted, end_counted, put_decision, put_varint, tag};
+use super::dataplane::{DataPlane, DataStats};
+use super::forward::SlotBoard;
+use super::outbox::PeerOut;
+use super::rounds::{Ended, SectionEnd, SentSection, Waiter};
+use super::wire::WireDecision;
+use super::NodeId;
+use smallvec::SmallVec;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Answers for slots of one read batch's board.
+type BoardAnswers = (Arc<SlotBoard>, Vec<(u32, WireDecision)>);
+
+impl DataPlane {
+    /// Answers the waiters of sections that ended; in fast mode a section
+    /// that failed makes its leader confirm its leadership again.
+    pub fn release(&self, ended: Vec<Ended>) {
+        if ended.is_empty() {
+            return;
+        }
+        let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
+        let mut local: Vec<BoardAnswers> = Vec::new();
+        for section in ended {
+            match &section.end {
+                SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
+                end => {
+                    DataStats::add(&self.stats.sections_failed, 1);
+                    if let Some(replica) = self.replica(section.shard) {
+                        if let SectionEnd::Superseded(_) = end {
+                            replica.unready();
+                            replica.kick.notify_one();
+                        } else if !self.strict() {
+                            replica.replication_failed.store(true, Ordering::Release);
+                            replica.unready();
+                            replica.kick.notify_one();
+                        }
+                    }
+                    tracing::debug!(
+                        shard = section.shard,
+                        term = section.term,
+                        ?end,
+                        "round section failed"
+                    );
+                }
+            }
+            for waiter in section.waiters {
+                match waiter {
+                    Waiter::Local {
+                        board,
+                        slot,
+                        decision,
+                    } => {
+                        // Waiters of one read batch come together: one lock.
+                        let answer = (slot, section.end.answer(section.shard, decision));
+                        match local.last_mut() {
+                            Some((last, answers)) if Arc::ptr_eq(last, &board) => {
+                                answers.push(answer)
+                            }
+                            _ => local.push((board, vec![answer])),
+                        }
+                    }
+                    Waiter::Remote {
+                        peer,
+                        boot,
+                        batch,
+                        index,
+                        decision,
+                    } => {
+                        let (bytes, at, count) = remote.entry((peer, boot)).or_insert_with(|| {
+                            let mut bytes = Vec::new();
+                            let at = begin_counted(&mut bytes, tag::ANSWERS, &[boot]);
+                            (bytes, at, 0)
+                        });
+                        put_varint(bytes, batch);
+                        put_varint(bytes, u64::from(index));
+                        put_decision(bytes, &section.end.answer(section.shard, decision));
+                        *count += 1;
+                        let _ = at;
+                    }
+                }
+            }
+        }
+        for (board, answers) in local {
+            board.fill_many(answers);
+        }
+        for ((peer, boot), (mut bytes, at, count)) in remote {
+            end_counted(&mut bytes, at, count);
+            let out = self.out(peer);
+            if out.peer_boot() != boot {
+                continue; // The peer restarted since: nobody waits for these.
+            }
+            if out.append(|body| body.extend_from_slice(&bytes)).is_some() {
+                out.wake.notify_one();
+            }
+        }
+    }
+
+    /// Does `shard` have states waiting to be sent or committed?
+    pub fn replicating(&self, shard: u32) -> bool {
+        self.round.lock().holds(shard) || self.in_flight.lock().holds(shard)
+    }
+
+    /// Closes the open round and sends it: one section per shard to each
+    /// of the shard's other replicas.
+    fn send_round(&self) {
+        let mut sections = self.round.lock().take();
+        if sections.is_empty() {
+            return;
+        }
+        let stamped_ms = self.clock.now_ms();
+        let mut states = 0u64;
+        let mut records = Vec::with_capacity(sections.len());
+        for section in &mut sections {
+            states += u64::from(section.count);
+            let config = match self.replica(section.shard) {
+                Some(replica) => replica.config(),
+                None => Arc::default(),
+            };
+            let sent_to: SmallVec<[NodeId; 4]> = config
+                .targets
+                .iter()
+                .copied()
+                .filter(|&peer| self.existing_out(peer).is_some_and(|o| o.connected()))
+                .collect();
+            records.push(SentSection {
+                shard: section.shard,
+                term: section.term,
+                config,
+                sent_to,
+                waiters: std::mem::take(&mut section.waiters),
+            });
+        }
+        let mut ended = Vec::new();
+        let mut touched: SmallVec<[Arc<PeerOut>; 4]> = SmallVec::new();
+        {
+            // Record before appending: no ack can precede its round.
+            let mut flight = self.in_flight.lock();
+            let round = flight.next_round();
+            let sends: Vec<(u32, u64, u32, SmallVec<[NodeId; 4]>)> = records
+                .iter()
+                .zip(&sections)
+                .map(|(r, s)| (r.shard, r.term, s.count, r.sent_to.clone()))
+                .collect();
+            DataStats::add(&self.stats.round_sections, records.len() as u64);
+            flight.record(Instant::now(), records, &mut ended);
+            drop(flight);
+            for ((shard, term, count, sent_to), section) in sends.into_iter().zip(&sections) {
+                for peer in sent_to {
+                    let out = self.out(peer);
+                    let appended = out.append(|body| {
+                        body.push(tag::ROUND);
+                        put_varint(body, round);
+                        put_varint(body, stamped_ms);
+                        put_varint(body, u64::from(shard));
+                        put_varint(body, term);
+                        put_varint(body, u64::from(count));
+                        body.extend_from_slice(&section.bytes);
+                    });
+                    if appended.is_some() && !touched.iter().any(|o| o.peer == peer) {
+                        touched.push(out);
+                    }
+                }
+            }
+        }
+        self.round.lock().recycle(sections);
+        DataStats::add(&self.stats.rounds, 1);
+        DataStats::add(&self.stats.states_replicated, states);
+        for out in touched {
+            out.wake.notify_one();
+        }
+        self.release(ended);
+    }
+
+    /// The replicator: closes and sends rounds (at once in strict mode;
+    /// in fast mode once the open round is `replication_interval_ms` old or
+    /// full), and times out sections not committed in time.
+    pub async fn run_replicator(self: Arc<Self>) {
+        let commit_timeout = Duration::from_millis(self.settings.commit_timeout_ms.max(1));
+        let interval = Duration::from_millis(self.settings.replication_interval_ms.max(1));
+        let mut last_forward_sweep = Instant::now();
+        loop {
+            let now = Instant::now();
+            let mut wake_at: Option<Instant> = None;
+            let ready = {
+                let round = self.round.lock();
+                match round.opened_at {
+                    None => false,
+                    Some(_) if self.strict() => true,
+                    Some(_) if round.states() >= self.settings.batch_ops_max => true,
+                    Some(opened) => {
+                        let due = opened + interval;
+                        if due <= now {
+                            true
+                        } else {
+                            wake_at = Some(due);
+                            false
+                        }
+                    }
+                }
+            };
+            if ready {
+                // Let the tasks woken with this one (frame readers deciding
+                // forwarded hits) add their states first: one round, one
+                // frame per peer, carries them all.
+                tokio::task::yield_now().await;
+                self.send_round();
+            }
+            let mut ended = Vec::new();
+            let oldest = {
+                let mut flight = self.in_flight.lock();
+                flight.expire(now, commit_timeout, &mut ended);
+                flight.oldest()
+            };
+            self.release(ended);
+            if let Some(oldest) = oldest {
+                let due = oldest + commit_timeout;
+                wake_at = Some(wake_at.map_or(due, |w| w.min(due)));
+            }
+            if now.saturating_duration_since(last_forward_sweep) > Duration::from_secs(1) {
+                self.expire_forwards(now);
+                last_forward_sweep = now;
+            }
+            if ready {
+                continue; // More may have arrived while sending: look again.
+            }
+            match wake_at {
+                Some(at) => {
+                    let _ = tokio::time::timeout_at(at.into(), self.replicate.notified()).await;
+                }
+                None => self.replicate.notified().await,
+            }
+        }
+    }
+}
