@@ -42,6 +42,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
+/// Most keys of one inbound frame whose store lines are prefetched before
+/// the frame is handled (two lines each: well within the L2 cache).
+const FRAME_PREFETCH_KEYS_MAX: usize = 256;
+
 /// Settings of the data path.
 #[derive(Debug, Clone)]
 pub struct DataSettings {
@@ -362,6 +366,7 @@ impl DataPlane {
         if from_boot < self.out(from).peer_boot() {
             return Ok(());
         }
+        self.prefetch_frame(body);
         let mut reader = Reader::new(body);
         let mut answers: Vec<u8> = Vec::new();
         let mut answer_count = 0u32;
@@ -469,6 +474,52 @@ impl DataPlane {
         }
         self.release(ended);
         result
+    }
+
+    /// Prefetches the store lines of the first [`FRAME_PREFETCH_KEYS_MAX`]
+    /// keys a frame's forwarded hits and round sections will touch, so that
+    /// their cache misses overlap instead of stalling one decision or merge
+    /// after another (docs/benchmarks.md, "Cluster data path"). Reads the
+    /// frame without acting on it; a malformed frame only ends the look-ahead
+    /// (handling it reports the error).
+    fn prefetch_frame(&self, body: &[u8]) {
+        let mut reader = Reader::new(body);
+        let mut keys = 0usize;
+        let _ = (|| -> Result<(), FrameError> {
+            while !reader.is_empty() && keys < FRAME_PREFETCH_KEYS_MAX {
+                match reader.u8()? {
+                    tag::FORWARD => {
+                        reader.varint()?;
+                        for _ in 0..reader.count(4)? {
+                            self.store.prefetch(reader.op()?.key);
+                            keys += 1;
+                        }
+                    }
+                    tag::ROUND => {
+                        let header = RoundHeader::read(&mut reader)?;
+                        for _ in 0..header.count {
+                            self.store.prefetch(reader.bytes()?);
+                            reader.state()?;
+                            keys += 1;
+                        }
+                    }
+                    tag::ANSWERS => {
+                        reader.varint()?;
+                        for _ in 0..reader.count(3)? {
+                            reader.varint()?;
+                            reader.u32()?;
+                            reader.decision()?;
+                        }
+                    }
+                    tag::ACK => {
+                        Ack::read(&mut reader)?;
+                    }
+                    tag::BEAT => {}
+                    _ => return Ok(()),
+                }
+            }
+            Ok(())
+        })();
     }
 
     /// Decides a hit `from` forwarded, as the shard's leader: the answer

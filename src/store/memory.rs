@@ -1,6 +1,7 @@
 //! The in-memory counter store: a power-of-two number of cache-padded,
-//! `parking_lot`-locked stripes, each a `hashbrown` table of 32-byte-aligned
-//! slots. A key is hashed once; distinct bit ranges of that hash pick the
+//! `parking_lot`-locked stripes, each a [`SlotTable`] of 32-byte-aligned
+//! slots (open addressing, so that a key's slot can be prefetched before its
+//! stripe is locked: [`StripedStore::prefetch`]). A key is hashed once; distinct bit ranges of that hash pick the
 //! stripe and the slot, so the two are independent. A short key is laid out
 //! as its slot's head in three words, read straight from the key's bytes
 //! (no copy through memory), hashed from those words by two folded
@@ -26,16 +27,16 @@
 //! [`CounterState`] store) and droplet's buckets share the same stripes,
 //! sweeper and cap.
 
+use super::table::{prefetch_line, SlotTable, TableSlot};
 use crate::limiter::{CounterState, FullAt};
 use crossbeam_utils::CachePadded;
-use hashbrown::HashTable;
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-/// Bit offset of the stripe index inside the key hash: above the bits
-/// hashbrown uses for slots in any realistic table, below its 7 tag bits.
+/// Bit offset of the stripe index inside the key hash: above the bits a
+/// stripe's table uses for slots in any realistic table.
 const STRIPE_HASH_SHIFT: u32 = 40;
 
 /// Longest key kept inside its slot. 23 bytes, with the length byte, make the
@@ -51,6 +52,9 @@ pub const IDLE_SWEEP_PAUSE_MS: u64 = 1_000;
 /// The first byte of a spilled slot's head (inline keys store their length,
 /// at most [`INLINE_KEY_BYTES_MAX`], there).
 const SPILLED: u8 = 0xff;
+
+/// The first byte of an empty slot's head.
+const EMPTY: u8 = 0xfe;
 
 /// The live-key cap was reached and the key's stripe had nothing expired to
 /// reclaim: the update was not stored.
@@ -222,6 +226,22 @@ impl<P: Copy> Slot<P> {
     }
 }
 
+impl<P: Copy + Default> TableSlot for Slot<P> {
+    fn empty() -> Self {
+        let mut head = [0u8; INLINE_KEY_BYTES_MAX + 1];
+        head[0] = EMPTY;
+        Slot {
+            head,
+            packed: P::default(),
+        }
+    }
+
+    #[inline(always)]
+    fn is_empty(&self) -> bool {
+        self.head[0] == EMPTY
+    }
+}
+
 /// `s[start..start + n]` (`n` at most 8) as a little-endian word, zero
 /// extended, read with at most two loads and no copy.
 #[inline(always)]
@@ -343,20 +363,53 @@ struct Spilled<S> {
     state: S,
 }
 
-struct Stripe<S: StoredState> {
-    table: HashTable<Slot<S::Packed>>,
+/// A stripe's spilled entries (rare), kept out of line so that the stripe's
+/// lock and table header share one cache line.
+struct SpillSlab<S> {
     /// Spilled entries, by the index their slot holds; `None` is free.
     spilled: Vec<Option<Spilled<S>>>,
     /// Free indices of `spilled`.
     spilled_free: Vec<u32>,
 }
 
+struct Stripe<S: StoredState> {
+    table: SlotTable<Slot<S::Packed>>,
+    spill: Box<SpillSlab<S>>,
+}
+
 impl<S: StoredState> Default for Stripe<S> {
     fn default() -> Self {
         Stripe {
-            table: HashTable::new(),
-            spilled: Vec::new(),
-            spilled_free: Vec::new(),
+            table: SlotTable::default(),
+            spill: Box::new(SpillSlab {
+                spilled: Vec::new(),
+                spilled_free: Vec::new(),
+            }),
+        }
+    }
+}
+
+/// One stripe and, beside its lock, where its slots are: read without the
+/// lock to prefetch a key's slot before locking (a stale value only makes
+/// the prefetch useless). Laid out to fit the first cache line of its
+/// padded cell.
+#[repr(C)]
+struct StripeCell<S: StoredState> {
+    slots_hint: AtomicPtr<u8>,
+    mask_hint: AtomicUsize,
+    stripe: Mutex<Stripe<S>>,
+}
+
+impl<S: StoredState> StripeCell<S> {
+    /// Publishes where the table's slots are now (under the stripe's lock,
+    /// after anything that may have moved them).
+    #[inline(always)]
+    fn publish(&self, stripe: &Stripe<S>) {
+        let (base, mask) = stripe.table.base();
+        let base = base.cast::<u8>().cast_mut();
+        if self.slots_hint.load(Ordering::Relaxed) != base {
+            self.slots_hint.store(base, Ordering::Relaxed);
+            self.mask_hint.store(mask, Ordering::Relaxed);
         }
     }
 }
@@ -384,7 +437,8 @@ fn slot_holds<S: StoredState>(
 impl<S: StoredState> Stripe<S> {
     fn state_of(&self, slot: &Slot<S::Packed>) -> Option<S> {
         if slot.head[0] == SPILLED {
-            self.spilled
+            self.spill
+                .spilled
                 .get(slot.spill_index())
                 .and_then(Option::as_ref)
                 .map(|entry| entry.state)
@@ -397,6 +451,7 @@ impl<S: StoredState> Stripe<S> {
         match slot.inline_key() {
             Some(key) => key,
             None => self
+                .spill
                 .spilled
                 .get(slot.spill_index())
                 .and_then(Option::as_ref)
@@ -440,32 +495,39 @@ impl<S: StoredState> Stripe<S> {
 
     /// Removes every slot `doomed` selects (given its key and state); returns
     /// how many were removed.
-    fn remove_slots(&mut self, mut doomed: impl FnMut(&[u8], Option<S>) -> bool) -> usize {
+    fn remove_slots(
+        &mut self,
+        mut doomed: impl FnMut(&[u8], Option<S>) -> bool,
+        hash_of: impl Fn(&Slot<S::Packed>) -> u64,
+    ) -> usize {
         let before = self.table.len();
-        let Stripe {
-            table,
+        let Stripe { table, spill } = self;
+        let SpillSlab {
             spilled,
             spilled_free,
-        } = self;
-        table.retain(|slot| {
-            let (key, state): (&[u8], Option<S>) = match slot.inline_key() {
-                Some(key) => (key, Some(S::unpack(slot.packed))),
-                None => match spilled.get(slot.spill_index()).and_then(Option::as_ref) {
-                    Some(entry) => (&entry.key, Some(entry.state)),
-                    None => (&[], None),
-                },
-            };
-            if doomed(key, state) {
-                Self::unspill(spilled, spilled_free, slot);
-                false
-            } else {
-                true
-            }
-        });
-        if self.spilled_free.len() == self.spilled.len() && !self.spilled.is_empty() {
+        } = &mut **spill;
+        table.retain(
+            |slot| {
+                let (key, state): (&[u8], Option<S>) = match slot.inline_key() {
+                    Some(key) => (key, Some(S::unpack(slot.packed))),
+                    None => match spilled.get(slot.spill_index()).and_then(Option::as_ref) {
+                        Some(entry) => (&entry.key, Some(entry.state)),
+                        None => (&[], None),
+                    },
+                };
+                if doomed(key, state) {
+                    Self::unspill(spilled, spilled_free, slot);
+                    false
+                } else {
+                    true
+                }
+            },
+            hash_of,
+        );
+        if spilled_free.len() == spilled.len() && !spilled.is_empty() {
             // Nothing spilled is left: give the slab's memory back.
-            self.spilled = Vec::new();
-            self.spilled_free = Vec::new();
+            *spilled = Vec::new();
+            *spilled_free = Vec::new();
         }
         before - self.table.len()
     }
@@ -504,7 +566,7 @@ pub struct SweepStats {
 pub type MemoryStore = StripedStore<CounterState>;
 
 pub struct StripedStore<S: StoredState> {
-    stripes: Box<[CachePadded<Mutex<Stripe<S>>>]>,
+    stripes: Box<[CachePadded<StripeCell<S>>]>,
     stripe_mask: usize,
     hasher: ahash::RandomState,
     live_keys: AtomicUsize,
@@ -520,7 +582,13 @@ impl<S: StoredState> StripedStore<S> {
         let stripes = config.stripes.max(1).next_power_of_two();
         StripedStore {
             stripes: (0..stripes)
-                .map(|_| CachePadded::new(Mutex::new(Stripe::default())))
+                .map(|_| {
+                    CachePadded::new(StripeCell {
+                        slots_hint: AtomicPtr::new(std::ptr::null_mut()),
+                        mask_hint: AtomicUsize::new(0),
+                        stripe: Mutex::new(Stripe::default()),
+                    })
+                })
                 .collect(),
             stripe_mask: stripes - 1,
             hasher: ahash::RandomState::with_seeds(
@@ -591,8 +659,36 @@ impl<S: StoredState> StripedStore<S> {
         self.stripes.len()
     }
 
-    fn stripe_of(&self, hash: u64) -> &Mutex<Stripe<S>> {
+    #[inline(always)]
+    fn stripe_of(&self, hash: u64) -> &StripeCell<S> {
         &self.stripes[(hash >> STRIPE_HASH_SHIFT) as usize & self.stripe_mask]
+    }
+
+    /// Asks the CPU to fetch what a lookup of `key` will read first (its
+    /// stripe's lock line and the first slot of its probe), so that a batch
+    /// that prefetches all its keys before deciding any waits for their
+    /// cache misses together rather than one after another.
+    #[inline(always)]
+    pub fn prefetch(&self, key: &[u8]) {
+        self.prefetch_probe(&self.probe(KeyBytes::Whole(key)));
+    }
+
+    /// [`StripedStore::prefetch`] of the key `prefix` followed by `rest`.
+    #[inline(always)]
+    pub fn prefetch_prefixed(&self, prefix: u64, rest: &[u8]) {
+        self.prefetch_probe(&self.probe(KeyBytes::Prefixed(prefix, rest)));
+    }
+
+    #[inline(always)]
+    fn prefetch_probe(&self, probe: &Probe<'_>) {
+        let cell = self.stripe_of(probe.hash);
+        prefetch_line(cell);
+        let base = cell.slots_hint.load(Ordering::Relaxed);
+        if !base.is_null() {
+            let mask = cell.mask_hint.load(Ordering::Relaxed);
+            let offset = (probe.hash as usize & mask) * std::mem::size_of::<Slot<S::Packed>>();
+            prefetch_line(base.wrapping_add(offset));
+        }
     }
 
     /// Reads a key's state (`None` when absent or expired).
@@ -608,10 +704,10 @@ impl<S: StoredState> StripedStore<S> {
 
     fn get_probe(&self, probe: &Probe<'_>, now_ms: u64) -> Option<S> {
         let hash = probe.hash;
-        let stripe = self.stripe_of(hash).lock();
+        let stripe = self.stripe_of(hash).stripe.lock();
         let slot = stripe
             .table
-            .find(hash, |slot| slot_holds(slot, probe, &stripe.spilled))?;
+            .find(hash, |slot| slot_holds(slot, probe, &stripe.spill.spilled))?;
         stripe.state_of(slot).filter(|s| s.expires_at_ms() > now_ms)
     }
 
@@ -647,13 +743,14 @@ impl<S: StoredState> StripedStore<S> {
         step: impl FnOnce(Option<S>) -> (R, Option<S>),
     ) -> Result<R, StoreFull> {
         let (key, hash) = (probe.key, probe.hash);
-        let mut guard = self.stripe_of(hash).lock();
+        let cell = self.stripe_of(hash);
+        let mut guard = cell.stripe.lock();
         let stripe = &mut *guard;
-        let Stripe {
-            table,
+        let Stripe { table, spill } = stripe;
+        let SpillSlab {
             spilled,
             spilled_free,
-        } = stripe;
+        } = &mut **spill;
         if let Some(slot) = table.find_mut(hash, |slot| slot_holds(slot, probe, spilled)) {
             if slot.head[0] == SPILLED {
                 let Some(entry) = spilled.get_mut(slot.spill_index()).and_then(Option::as_mut)
@@ -688,6 +785,7 @@ impl<S: StoredState> StripedStore<S> {
         if !self.reserve_live_key() {
             // Full: reclaim what has expired in this stripe, then try once more.
             self.sweep_locked(stripe, now_ms);
+            cell.publish(stripe);
             if !self.reserve_live_key() {
                 return Err(StoreFull {
                     live_keys_max: self.live_keys_max,
@@ -697,14 +795,15 @@ impl<S: StoredState> StripedStore<S> {
         let slot = match (probe.head, state.pack()) {
             (Some(head), Some(packed)) => Slot::inline(head, packed),
             _ => {
-                let index =
-                    Stripe::spill(&mut stripe.spilled, &mut stripe.spilled_free, key, state);
+                let spill = &mut *stripe.spill;
+                let index = Stripe::spill(&mut spill.spilled, &mut spill.spilled_free, key, state);
                 Slot::spilled(index, hash, S::Packed::default())
             }
         };
         stripe
             .table
             .insert_unique(hash, slot, |slot| self.slot_hash(slot));
+        cell.publish(stripe);
         Ok(result)
     }
 
@@ -717,8 +816,10 @@ impl<S: StoredState> StripedStore<S> {
     }
 
     fn sweep_locked(&self, stripe: &mut Stripe<S>, now_ms: u64) -> usize {
-        let reclaimed =
-            stripe.remove_slots(|_, state| state.is_none_or(|s| s.expires_at_ms() <= now_ms));
+        let reclaimed = stripe.remove_slots(
+            |_, state| state.is_none_or(|s| s.expires_at_ms() <= now_ms),
+            |slot| self.slot_hash(slot),
+        );
         if reclaimed > 0 {
             self.live_keys.fetch_sub(reclaimed, Ordering::AcqRel);
             self.sweep_stats
@@ -741,9 +842,11 @@ impl<S: StoredState> StripedStore<S> {
         let mut index = first & self.stripe_mask;
         let mut examined = 0;
         for _ in 0..self.stripes.len() {
-            let mut stripe = self.stripes[index].lock();
+            let cell = &self.stripes[index];
+            let mut stripe = cell.stripe.lock();
             examined += stripe.table.len();
             self.sweep_locked(&mut stripe, now_ms);
+            cell.publish(&stripe);
             drop(stripe);
             index = (index + 1) & self.stripe_mask;
             if examined >= entries_budget {
@@ -760,8 +863,8 @@ impl<S: StoredState> StripedStore<S> {
     pub fn remove_where(&self, mut doomed: impl FnMut(&[u8]) -> bool) -> usize {
         let mut removed = 0;
         for stripe in self.stripes.iter() {
-            let mut stripe = stripe.lock();
-            let gone = stripe.remove_slots(|key, _| doomed(key));
+            let mut stripe = stripe.stripe.lock();
+            let gone = stripe.remove_slots(|key, _| doomed(key), |slot| self.slot_hash(slot));
             if gone > 0 {
                 self.live_keys.fetch_sub(gone, Ordering::AcqRel);
                 removed += gone;
@@ -774,7 +877,7 @@ impl<S: StoredState> StripedStore<S> {
     /// at a time.
     pub fn for_each_live(&self, now_ms: u64, mut visit: impl FnMut(&[u8], S)) {
         for stripe in self.stripes.iter() {
-            let stripe = stripe.lock();
+            let stripe = stripe.stripe.lock();
             Self::visit_stripe(&stripe, now_ms, &mut visit);
         }
     }
@@ -810,7 +913,7 @@ impl<S: StoredState> StripedStore<S> {
         let mut visited_entries = 0;
         let mut visited_stripes = 0;
         while visited_stripes < self.stripes.len() {
-            let stripe = self.stripes[index].lock();
+            let stripe = self.stripes[index].stripe.lock();
             visited_entries += Self::visit_stripe(&stripe, now_ms, &mut visit);
             drop(stripe);
             index = (index + 1) & self.stripe_mask;

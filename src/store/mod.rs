@@ -5,6 +5,7 @@
 
 pub mod memory;
 pub mod redis;
+mod table;
 
 use crate::limiter::{
     fixed_window_hit, sliding_window_hit, token_bucket_hit, CounterState, Decision, WindowQuota,
