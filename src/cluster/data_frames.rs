@@ -437,6 +437,13 @@ impl Ack {
 /// readers the data plane uses, in the same order); returns how many
 /// sections there were. For the `data_frames` fuzz target and tests.
 pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
+    walk_keys(body, |_| true)
+}
+
+/// Reads a data frame's sections without acting on them, showing `visit`
+/// every counter key they carry (forwarded ops' and round states', in
+/// order) until it answers `false`; returns how many sections were read.
+pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u32, FrameError> {
     let mut reader = Reader::new(body);
     let mut sections = 0;
     while !reader.is_empty() {
@@ -444,7 +451,9 @@ pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
             tag::FORWARD => {
                 reader.varint()?;
                 for _ in 0..reader.count(4)? {
-                    reader.op()?;
+                    if !visit(reader.op()?.key) {
+                        return Ok(sections);
+                    }
                 }
             }
             tag::ANSWERS => {
@@ -458,8 +467,11 @@ pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
             tag::ROUND => {
                 let header = RoundHeader::read(&mut reader)?;
                 for _ in 0..header.count {
-                    reader.bytes()?;
+                    let key = reader.bytes()?;
                     reader.state()?;
+                    if !visit(key) {
+                        return Ok(sections);
+                    }
                 }
             }
             tag::ACK => {

@@ -20,8 +20,8 @@
 //! Everything here is synchronous and short; locks are held for a copy.
 
 use super::data_frames::{
-    begin_counted, end_counted, put_decision, put_op, put_varint, tag, Ack, FrameError, OpView,
-    Reader, RoundHeader,
+    begin_counted, end_counted, put_decision, put_op, put_varint, tag, walk_keys, Ack, FrameError,
+    OpView, Reader, RoundHeader,
 };
 use super::forward::{ForwardWait, SlotBoard};
 pub use super::outbox::PeerOut;
@@ -483,43 +483,12 @@ impl DataPlane {
     /// frame without acting on it; a malformed frame only ends the look-ahead
     /// (handling it reports the error).
     fn prefetch_frame(&self, body: &[u8]) {
-        let mut reader = Reader::new(body);
         let mut keys = 0usize;
-        let _ = (|| -> Result<(), FrameError> {
-            while !reader.is_empty() && keys < FRAME_PREFETCH_KEYS_MAX {
-                match reader.u8()? {
-                    tag::FORWARD => {
-                        reader.varint()?;
-                        for _ in 0..reader.count(4)? {
-                            self.store.prefetch(reader.op()?.key);
-                            keys += 1;
-                        }
-                    }
-                    tag::ROUND => {
-                        let header = RoundHeader::read(&mut reader)?;
-                        for _ in 0..header.count {
-                            self.store.prefetch(reader.bytes()?);
-                            reader.state()?;
-                            keys += 1;
-                        }
-                    }
-                    tag::ANSWERS => {
-                        reader.varint()?;
-                        for _ in 0..reader.count(3)? {
-                            reader.varint()?;
-                            reader.u32()?;
-                            reader.decision()?;
-                        }
-                    }
-                    tag::ACK => {
-                        Ack::read(&mut reader)?;
-                    }
-                    tag::BEAT => {}
-                    _ => return Ok(()),
-                }
-            }
-            Ok(())
-        })();
+        let _ = walk_keys(body, |key| {
+            self.store.prefetch(key);
+            keys += 1;
+            keys < FRAME_PREFETCH_KEYS_MAX
+        });
     }
 
     /// Decides a hit `from` forwarded, as the shard's leader: the answer
