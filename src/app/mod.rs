@@ -408,6 +408,10 @@ impl App {
             droplet,
             grpc,
         } = endpoints.bind(&engine, &buckets, clock)?;
+        let line = match cluster.as_ref().and_then(Cluster::node_thread) {
+            Some(node_thread) => line.host_first_on(node_thread),
+            None => line,
+        };
         Ok(App {
             parts: Parts {
                 engine,

@@ -86,8 +86,10 @@ pub struct ClusterArgs {
     pub leader_balance: bool,
 
     /// Threads of the runtime that runs the peer links, the replicator,
-    /// the shard groups and the handling of peers' frames.
-    #[arg(long, default_value_t = ClusterConfig::default().raft_threads)]
+    /// the shard groups and the handling of peers' frames; 0: none, the
+    /// first serving thread runs them beside its clients [default: 0 on
+    /// machines of at most 2 cores, else 1].
+    #[arg(long, default_value_t = ClusterConfig::default().raft_threads, hide_default_value = true)]
     pub raft_threads: usize,
 
     /// Fast mode: a replication round leaves at once when it holds this

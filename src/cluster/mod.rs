@@ -58,6 +58,7 @@ pub use status::Topology;
 use crate::clock::Clock;
 use crate::engine::CommandExtension;
 use crate::rules::RuleSet;
+use crate::server::host::HostThread;
 use crate::store::{Backend, MemoryStore};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -119,7 +120,8 @@ pub struct ClusterConfig {
     /// Spread shard leadership over the nodes that are up.
     pub leader_balance: bool,
     /// Threads of the runtime that runs the peer links, the replicator,
-    /// the shard groups and the handling of peers' frames.
+    /// the shard groups and the handling of peers' frames; 0: no thread of
+    /// its own, the first serving thread runs it beside its clients.
     pub raft_threads: usize,
     /// Fast mode: a replication round leaves at once when it holds this
     /// many states.
@@ -133,6 +135,16 @@ pub struct ClusterConfig {
     pub cluster_secret_file: Option<PathBuf>,
     /// The cluster's shared secret(s), comma-separated (first signs).
     pub cluster_secret: Option<String>,
+}
+
+/// Threads of the cluster's own runtime by default: none on a machine of at
+/// most two cores (the first serving thread runs the cluster beside its
+/// clients: a node is then one thread, and handing a hit between its client
+/// and cluster sides costs no cross-thread wake-up; docs/benchmarks.md), one
+/// on larger machines.
+pub fn default_raft_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    usize::from(cores > 2)
 }
 
 impl Default for ClusterConfig {
@@ -150,7 +162,7 @@ impl Default for ClusterConfig {
             join_existing: false,
             shard_moves_max: 2,
             leader_balance: true,
-            raft_threads: 1,
+            raft_threads: default_raft_threads(),
             batch_ops_max: 4_096,
             snapshot_every_entries: 5_000,
             peer_routes: Vec::new(),
@@ -260,10 +272,51 @@ pub struct Cluster {
     node: Arc<node::ClusterNode>,
     client_addr: SocketAddr,
     /// Runs every shard group, link and the peer server; dropped last.
-    _runtime: tokio::runtime::Runtime,
+    runtime: ClusterRuntime,
+}
+
+/// Where the cluster's tasks run.
+enum ClusterRuntime {
+    /// `--raft-threads N`: a runtime with N threads of its own.
+    Own(tokio::runtime::Runtime),
+    /// `--raft-threads 0`: a node thread, which also serves the first
+    /// listener's clients.
+    Node(Arc<HostThread>),
+}
+
+impl ClusterRuntime {
+    fn start(raft_threads: usize) -> Result<ClusterRuntime, ClusterError> {
+        if raft_threads == 0 {
+            let host = HostThread::start("tollgate-node").map_err(ClusterError::Runtime)?;
+            return Ok(ClusterRuntime::Node(Arc::new(host)));
+        }
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(raft_threads)
+            .thread_name("tollgate-raft")
+            .enable_all()
+            .build()
+            .map(ClusterRuntime::Own)
+            .map_err(ClusterError::Runtime)
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        match self {
+            ClusterRuntime::Own(runtime) => runtime,
+            ClusterRuntime::Node(host) => host.runtime(),
+        }
+    }
 }
 
 impl Cluster {
+    /// The node thread that should also serve clients, when the cluster has
+    /// no thread of its own (`--raft-threads 0`).
+    pub fn node_thread(&self) -> Option<Arc<HostThread>> {
+        match &self.runtime {
+            ClusterRuntime::Node(host) => Some(Arc::clone(host)),
+            ClusterRuntime::Own(_) => None,
+        }
+    }
+
     pub fn backend(&self) -> Arc<dyn Backend> {
         Arc::new(backend::ClusterBackend {
             dp: Arc::clone(&self.node.dp),
@@ -390,12 +443,8 @@ pub fn start(
     let routes = file.peer_routes(id, &args.peer_routes)?;
     let placement = file.placement();
     let raft_config = raft_config(args)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(args.raft_threads.max(1))
-        .thread_name("tollgate-raft")
-        .enable_all()
-        .build()
-        .map_err(ClusterError::Runtime)?;
+    let cluster_runtime = ClusterRuntime::start(args.raft_threads)?;
+    let runtime = cluster_runtime.runtime();
     let hello = wire::Hello {
         node_id: id,
         rules_fingerprint: rules.fingerprint(),
@@ -468,6 +517,6 @@ pub fn start(
     Ok(Some(Cluster {
         node,
         client_addr: me.client,
-        _runtime: runtime,
+        runtime: cluster_runtime,
     }))
 }

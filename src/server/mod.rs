@@ -6,6 +6,7 @@
 //! and graceful shutdown).
 
 pub mod connection;
+pub mod host;
 pub mod socket;
 pub mod thread_per_core;
 

@@ -10,7 +10,12 @@
 //! accepting, let connections finish, abort what is left after
 //! `drain_timeout_ms`). What a connection says is the endpoint's
 //! [`ConnectionHandler`].
+//!
+//! The first serving thread may instead be a job of a node thread
+//! ([`ThreadPerCore::host_first_on`], [`HostThread`]): a cluster node on few
+//! cores then serves its clients on the thread that runs its cluster tasks.
 
+use super::host::{HostJob, HostThread};
 use crate::metrics::Metrics;
 use socket2::{Domain, Protocol, Socket, Type};
 use std::future::Future;
@@ -88,6 +93,7 @@ pub struct ThreadPerCore<H: ConnectionHandler> {
     handler: Arc<H>,
     config: AcceptorConfig,
     metrics: Arc<Metrics>,
+    host: Option<Arc<HostThread>>,
 }
 
 impl<H: ConnectionHandler> ThreadPerCore<H> {
@@ -111,6 +117,7 @@ impl<H: ConnectionHandler> ThreadPerCore<H> {
             handler,
             config,
             metrics,
+            host: None,
         })
     }
 
@@ -118,11 +125,19 @@ impl<H: ConnectionHandler> ThreadPerCore<H> {
         self.local_addr
     }
 
+    /// Serves the first listener on `host`'s thread (beside the tasks of
+    /// its runtime) instead of a thread of its own.
+    pub fn host_first_on(mut self, host: Arc<HostThread>) -> Self {
+        self.host = Some(host);
+        self
+    }
+
     /// Starts one serving thread per listener and returns at once.
     pub fn spawn(self) -> std::io::Result<Serving> {
         let (sender, receiver) = watch::channel(false);
         let open_connections = Arc::new(AtomicUsize::new(0));
         let mut threads = Vec::new();
+        let mut host = self.host;
         for (index, listener) in self.listeners.into_iter().enumerate() {
             let acceptor = Acceptor {
                 listener,
@@ -132,15 +147,31 @@ impl<H: ConnectionHandler> ThreadPerCore<H> {
                 shutdown: receiver.clone(),
                 open_connections: Arc::clone(&open_connections),
             };
+            if let Some(host) = host.take() {
+                let (done, finished) = std::sync::mpsc::sync_channel(1);
+                let job: HostJob = Box::new(move || {
+                    Box::pin(async move {
+                        acceptor.accept_until_shutdown().await;
+                        let _ = done.send(());
+                    })
+                });
+                if host.run(job).is_err() {
+                    let _ = sender.send(true);
+                    threads.into_iter().for_each(ServingThread::join);
+                    return Err(std::io::Error::other("the node thread has stopped"));
+                }
+                threads.push(ServingThread::Hosted(finished));
+                continue;
+            }
             let spawned = std::thread::Builder::new()
                 .name(format!("{}-{index}", self.config.thread_name))
                 .spawn(move || acceptor.run());
             match spawned {
-                Ok(thread) => threads.push(thread),
+                Ok(thread) => threads.push(ServingThread::Own(thread)),
                 Err(error) => {
                     // Stop the threads already started before reporting.
                     let _ = sender.send(true);
-                    threads.into_iter().for_each(|thread| drop(thread.join()));
+                    threads.into_iter().for_each(ServingThread::join);
                     return Err(error);
                 }
             }
@@ -172,14 +203,30 @@ impl ShutdownHandle {
 pub struct Serving {
     pub local_addr: SocketAddr,
     pub shutdown: ShutdownHandle,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    threads: Vec<ServingThread>,
+}
+
+/// A serving thread of its own, or a job on a node thread.
+enum ServingThread {
+    Own(std::thread::JoinHandle<()>),
+    /// Receives (or is disconnected) when the job has drained and ended.
+    Hosted(std::sync::mpsc::Receiver<()>),
+}
+
+impl ServingThread {
+    fn join(self) {
+        match self {
+            ServingThread::Own(thread) => drop(thread.join()),
+            ServingThread::Hosted(finished) => drop(finished.recv()),
+        }
+    }
 }
 
 impl Serving {
     /// Waits until every serving thread has drained and stopped.
     pub fn join(mut self) {
         for thread in std::mem::take(&mut self.threads) {
-            let _ = thread.join();
+            thread.join();
         }
     }
 
