@@ -25,12 +25,17 @@ use crate::protocol::Pairs;
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use bytes::{BufMut, Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use futures_util::future::LocalBoxFuture;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::{Frame, Incoming};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::cell::RefCell;
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -131,7 +136,8 @@ impl ConnectionHandler for GrpcProtocol {
         if !matches!(first_byte, Ok(Ok(read)) if read > 0) {
             return;
         }
-        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        let streams = StreamSet::default();
+        let mut builder = hyper::server::conn::http2::Builder::new(streams.clone());
         builder
             .timer(TokioTimer::new())
             .max_concurrent_streams(self.streams_per_connection_max)
@@ -144,7 +150,7 @@ impl ConnectionHandler for GrpcProtocol {
         let shared = Arc::clone(&self);
         let service = hyper::service::service_fn(move |request| {
             let shared = Arc::clone(&shared);
-            // Boxed: hyper spawns a task per stream, and a small one moves cheaply.
+            // Boxed: a small stream future moves cheaply.
             Box::pin(async move { Ok::<_, Infallible>(shared.route(request).await) })
         });
         let connection = builder.serve_connection(TokioIo::new(stream), service);
@@ -153,16 +159,81 @@ impl ConnectionHandler for GrpcProtocol {
             connection.as_mut().graceful_shutdown();
         }
         tokio::select! {
-            _ = connection.as_mut() => return,
-            _ = shutdown.changed() => connection.as_mut().graceful_shutdown(),
+            _ = streams.drive(connection.as_mut()) => {}
+            _ = shutdown.changed() => {
+                connection.as_mut().graceful_shutdown();
+                // GOAWAY sent: calls in progress finish (the acceptor bounds this).
+                let _ = streams.drive(connection.as_mut()).await;
+            }
         }
-        // GOAWAY sent: calls in progress finish (the acceptor bounds this).
-        let _ = connection.await;
+        // Calls still deciding when the connection ended (their answers cannot
+        // be sent) finish rather than stop halfway.
+        std::future::poll_fn(|cx| streams.poll_streams(cx)).await;
     }
 
     async fn refuse(self: Arc<Self>, stream: TcpStream) {
         // An HTTP/2 client retries a connection closed before its settings.
         drop(stream);
+    }
+}
+
+/// The calls (HTTP/2 streams) of one connection, run inside the
+/// connection's own task: hyper hands each stream to its executor, and a
+/// tokio task per call (allocated, scheduled, woken across tasks) cost more
+/// than the call's decision.
+#[derive(Clone, Default)]
+struct StreamSet(Rc<StreamSetInner>);
+
+#[derive(Default)]
+struct StreamSetInner {
+    running: RefCell<FuturesUnordered<LocalBoxFuture<'static, ()>>>,
+    /// Streams handed over while `running` is being polled (never, for
+    /// gRPC: only HTTP upgrades spawn from a stream), moved in before the
+    /// next poll.
+    incoming: RefCell<Vec<LocalBoxFuture<'static, ()>>>,
+}
+
+impl<F: Future<Output = ()> + 'static> hyper::rt::Executor<F> for StreamSet {
+    fn execute(&self, stream: F) {
+        match self.0.running.try_borrow_mut() {
+            Ok(running) => running.push(Box::pin(stream)),
+            Err(_) => self.0.incoming.borrow_mut().push(Box::pin(stream)),
+        }
+    }
+}
+
+impl StreamSet {
+    /// Polls every stream that can progress; ready when none is left.
+    fn poll_streams(&self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let mut running = self.0.running.borrow_mut();
+            running.extend(self.0.incoming.borrow_mut().drain(..));
+            let polled = running.poll_next_unpin(cx);
+            drop(running);
+            match polled {
+                Poll::Ready(Some(())) => continue,
+                Poll::Ready(None) if self.0.incoming.borrow().is_empty() => return Poll::Ready(()),
+                Poll::Ready(None) => continue,
+                Poll::Pending if self.0.incoming.borrow().is_empty() => return Poll::Pending,
+                Poll::Pending => continue,
+            }
+        }
+    }
+
+    /// Drives `connection` and its streams until the connection ends.
+    fn drive<'a, C: Future>(
+        &'a self,
+        mut connection: Pin<&'a mut C>,
+    ) -> impl Future<Output = C::Output> + 'a {
+        std::future::poll_fn(move |cx| {
+            let _ = self.poll_streams(cx);
+            let polled = connection.as_mut().poll(cx);
+            if polled.is_pending() {
+                // Streams the connection just accepted start now.
+                let _ = self.poll_streams(cx);
+            }
+            polled
+        })
     }
 }
 
