@@ -465,7 +465,7 @@ impl Conn {
         let room = match self.h2.as_ref() {
             Some(h2) => {
                 if h2.exhausted() && self.inflight_reqs == 0 {
-                    // Out of stream ids: a new connection starts over.
+                    // Out of stream ids, or the server went away: a new connection starts over.
                     self.close(ctx, registry, now);
                     self.retry_at_ns = now;
                     return;
@@ -721,12 +721,9 @@ impl Conn {
                     payload,
                 } => grpc::push_ping_ack(&mut self.wbuf, payload),
                 Frame::WindowUpdate { stream, increment } => h2.window_update(stream, increment),
-                Frame::GoAway => {
-                    // The server is closing: what it has not answered is lost.
-                    self.close(ctx, registry, now);
-                    self.retry_at_ns = now;
-                    return false;
-                }
+                // The server is closing: it answers the streams it took (or closes, and what it
+                // has not answered is lost); `fill` replaces the connection once they are done.
+                Frame::GoAway => h2.going_away = true,
                 Frame::Headers { .. }
                 | Frame::Settings { .. }
                 | Frame::Ping { .. }

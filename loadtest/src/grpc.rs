@@ -13,8 +13,9 @@
 //! header blocks are not decoded (their HPACK state does not matter to a client that reads no
 //! header), so a non-zero `grpc-status` after a message would go unnoticed; a unary call never sends
 //! one. The client answers SETTINGS and PING, keeps its receive windows open (it advertises the
-//! largest window and returns what it read), and respects the server's connection send window and
-//! `MAX_CONCURRENT_STREAMS`.
+//! largest window and returns what it read), respects the server's connection send window and
+//! `MAX_CONCURRENT_STREAMS`, and after a GOAWAY opens no stream and replaces the connection once the
+//! calls the server still answers are done.
 
 use anyhow::{bail, Result};
 
@@ -380,6 +381,9 @@ pub struct StreamTable<T> {
     /// for them rather than risk streams over a limit not known yet), unlimited if they do not say.
     pub streams_max: usize,
     settings_seen: bool,
+    /// The server sent GOAWAY: no new stream; the connection is replaced once
+    /// the streams it still answers are done.
+    pub going_away: bool,
     /// DATA bytes read and not yet returned in a WINDOW_UPDATE.
     unreturned_bytes: u64,
     pub live: usize,
@@ -396,6 +400,7 @@ impl<T: Copy> StreamTable<T> {
             stream_window_bytes: DEFAULT_WINDOW_BYTES,
             streams_max: 0,
             settings_seen: false,
+            going_away: false,
             unreturned_bytes: 0,
             live: 0,
         }
@@ -409,6 +414,7 @@ impl<T: Copy> StreamTable<T> {
         self.stream_window_bytes = DEFAULT_WINDOW_BYTES;
         self.streams_max = 0;
         self.settings_seen = false;
+        self.going_away = false;
         self.unreturned_bytes = 0;
         self.live = 0;
     }
@@ -417,9 +423,10 @@ impl<T: Copy> StreamTable<T> {
         (id >> 1) as usize & self.mask
     }
 
-    /// The stream ids are used up: the connection must be replaced once its calls are answered.
+    /// The stream ids are used up, or the server is going away: the connection must be replaced
+    /// once its calls are answered.
     pub fn exhausted(&self) -> bool {
-        self.next_id > STREAM_ID_MAX - 2 * self.slots.len() as u32
+        self.going_away || self.next_id > STREAM_ID_MAX - 2 * self.slots.len() as u32
     }
 
     /// How many calls of at most `message_bytes` each may start now: the pipeline's room, the
@@ -684,5 +691,11 @@ mod tests {
         assert_eq!(t.open(1, 65_536), None);
         assert_eq!(t.drain().count(), 1);
         assert_eq!(t.live, 0);
+        // After GOAWAY: no new stream, and the connection is to be replaced.
+        assert!(t.room(8, 100) > 0 && !t.exhausted());
+        t.going_away = true;
+        assert_eq!((t.room(8, 100), t.exhausted()), (0, true));
+        t.reset();
+        assert!(!t.exhausted());
     }
 }
