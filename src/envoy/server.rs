@@ -180,7 +180,9 @@ impl ConnectionHandler for GrpcProtocol {
 /// The calls (HTTP/2 streams) of one connection, run inside the
 /// connection's own task: hyper hands each stream to its executor, and a
 /// tokio task per call (allocated, scheduled, woken across tasks) cost more
-/// than the call's decision.
+/// than the call's decision. A call that panicked would end its connection
+/// (logged by the acceptor, as on the other endpoints) rather than only its
+/// stream.
 #[derive(Clone, Default)]
 struct StreamSet(Rc<StreamSetInner>);
 
