@@ -215,6 +215,24 @@ pub struct Metrics {
     statsd_send_failed: AtomicU64,
     /// gRPC responses by method and status code (Envoy's rate limit service).
     grpc_responses: [[AtomicU64; GRPC_CODES]; 2],
+    /// Requests of the line protocol and droplet's WebSocket, by protocol,
+    /// in one cache line per recording thread.
+    requests: [CachePadded<[AtomicU64; 2]>; REQUEST_SHARDS],
+}
+
+/// Cache lines the per-protocol request counts are spread over (threads
+/// take them in turn, as they take statsd timing shards).
+const REQUEST_SHARDS: usize = 16;
+
+/// The wire protocols counted in `tollgate_requests_total` (gRPC calls are
+/// counted by [`Metrics::grpc_response`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestProtocol {
+    /// divvy's line protocol: every line read (`HIT`, `PEEK`, `TAKE`, …),
+    /// refused ones included.
+    Divvy,
+    /// droplet's WebSocket: every data message read.
+    Droplet,
 }
 
 /// gRPC status codes, 0 (`OK`) to 16 (`UNAUTHENTICATED`).
@@ -311,6 +329,21 @@ impl Metrics {
         self.grpc_responses[method as usize]
             .get(code)
             .map_or(0, |count| count.load(Ordering::Relaxed))
+    }
+
+    /// `count` requests of `protocol` were read (counted once per read batch
+    /// by the caller: one relaxed addition to this thread's own cache line).
+    pub fn requests_read(&self, protocol: RequestProtocol, count: u64) {
+        let shard = timing_shard_of_this_thread() & (REQUEST_SHARDS - 1);
+        self.requests[shard][protocol as usize].fetch_add(count, Ordering::Relaxed);
+    }
+
+    /// Requests of `protocol` read since start.
+    pub fn requests(&self, protocol: RequestProtocol) -> u64 {
+        self.requests
+            .iter()
+            .map(|shard| shard[protocol as usize].load(Ordering::Relaxed))
+            .sum()
     }
 
     pub fn error(&self, code: ErrorCode) {
@@ -427,6 +460,23 @@ mod tests {
             assert_eq!(kept, expected);
         }
         assert!(timings.is_empty());
+    }
+
+    #[test]
+    fn request_counts_add_up_over_threads_by_protocol() {
+        let metrics = Metrics::new();
+        std::thread::scope(|scope| {
+            for _ in 0..(REQUEST_SHARDS + 3) {
+                let metrics = &metrics;
+                scope.spawn(move || {
+                    metrics.requests_read(RequestProtocol::Divvy, 32);
+                    metrics.requests_read(RequestProtocol::Droplet, 1);
+                });
+            }
+        });
+        let threads = REQUEST_SHARDS as u64 + 3;
+        assert_eq!(metrics.requests(RequestProtocol::Divvy), 32 * threads);
+        assert_eq!(metrics.requests(RequestProtocol::Droplet), threads);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::droplet::BucketTemplate;
 use crate::failover::ProbeArgs;
+use crate::grpc::EnvoyTemplate;
 
 /// The template used when `--template` is not given: it matches the per-IP cookie rule of divvy's
 /// example configuration (3 hits per hour per `ip`), which Tollgate embeds as its default rules.
@@ -20,6 +21,11 @@ pub const DEFAULT_TEMPLATE: &str = "method=GET path=/pantry/cookies/chocolate-ch
 /// The template of `--protocol take` and `--protocol droplet` when `--template` is not given: one
 /// bucket per actor, 1000 tokens per second and 50000 per minute.
 pub const DEFAULT_BUCKET_TEMPLATE: &str = "bucket={actor} ls=1000 lm=50000";
+
+/// The template of `--protocol envoy-rls` when `--template` is not given: the default template's
+/// operation under the domain `loadtest` (the same rule matches it: rules ignore keys they do not name).
+pub const DEFAULT_ENVOY_TEMPLATE: &str =
+    "domain=loadtest method=GET path=/pantry/cookies/chocolate-chip ip={actor}";
 
 /// The rule operation used in Redis keys when `--redis-operation` is not given: the cookie rule's
 /// operation with its keys sorted, as divvy writes it.
@@ -57,6 +63,11 @@ pub enum Protocol {
     /// request carrying a protobuf `Droplet.Request` built from the template; answers are binary
     /// frames with a `Droplet.Response` (a close frame counts as an error).
     Droplet,
+    /// Envoy's rate limit service: gRPC `ShouldRateLimit` calls over HTTP/2 (cleartext), `--pipeline`
+    /// concurrent streams per connection, one descriptor per call built from the template
+    /// (`domain=<d>` is the request's domain, every other word one entry); answers count as allowed
+    /// (`OK`), denied (`OVER_LIMIT`) or errors (a gRPC error status, a reset stream, another code).
+    EnvoyRls,
 }
 
 impl Protocol {
@@ -68,6 +79,7 @@ impl Protocol {
             Protocol::RespScript => "resp-script",
             Protocol::Take => "take",
             Protocol::Droplet => "droplet",
+            Protocol::EnvoyRls => "envoy-rls",
         }
     }
 
@@ -98,7 +110,7 @@ pub enum Distribution {
 }
 
 /// Load generator for divvy-protocol servers (Tollgate, divvy), droplet's token buckets (as `TAKE`
-/// lines or protobuf over WebSocket) and Redis.
+/// lines or protobuf over WebSocket), Envoy's rate limit service (gRPC) and Redis.
 ///
 /// Closed loop by default: every connection keeps `--pipeline` requests in flight. With `--rate` it
 /// runs open loop: requests are due on a fixed schedule and their latency is measured from the time
@@ -152,8 +164,10 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub connections: usize,
 
-    /// Requests kept in flight per connection (1 = no pipelining). In open loop it is the most a
-    /// connection sends before waiting; further due requests queue (and keep aging).
+    /// Requests kept in flight per connection (1 = no pipelining); for envoy-rls, concurrent calls
+    /// (HTTP/2 streams) per connection, at most what the server allows (`MAX_CONCURRENT_STREAMS`).
+    /// In open loop it is the most a connection sends before waiting; further due requests queue
+    /// (and keep aging).
     #[arg(long, default_value_t = 1)]
     pub pipeline: usize,
 
@@ -208,7 +222,9 @@ pub struct Args {
     /// `bucket={actor} ls=1000 lm=50000`]. droplet's words (and take's, for --check): bucket
     /// (required), id, count, reset, ls, lm, lh, ld, lw, lo (limits per second, minute, hour, day,
     /// week, 30 days), and for droplet also type (take or query); `{actor}` may stand in bucket and
-    /// id.
+    /// id. envoy-rls: `domain=<name>` (required) is the request's domain and every other `key=value`
+    /// word, in order, one entry of the call's single descriptor; `{actor}` may stand anywhere
+    /// [default: `domain=loadtest method=GET path=/pantry/cookies/chocolate-chip ip={actor}`].
     #[arg(long)]
     pub template: Option<String>,
 
@@ -342,6 +358,12 @@ impl Args {
                 bail!("--template and --actor-prefix make droplet requests larger than 16 KiB");
             }
         }
+        if self.protocol == Protocol::EnvoyRls {
+            self.envoy_template()?;
+            if self.check {
+                bail!("--check is not available with --protocol envoy-rls");
+            }
+        }
         if self.protocol.is_resp() && self.redis_operation.contains(['\r', '\n']) {
             bail!("--redis-operation must be a single line");
         }
@@ -389,11 +411,18 @@ impl Args {
 
     /// The template in effect: `--template`, or the protocol's default.
     pub fn template(&self) -> &str {
-        match (&self.template, self.protocol.uses_buckets()) {
+        match (&self.template, self.protocol) {
             (Some(t), _) => t,
-            (None, true) => DEFAULT_BUCKET_TEMPLATE,
-            (None, false) => DEFAULT_TEMPLATE,
+            (None, Protocol::EnvoyRls) => DEFAULT_ENVOY_TEMPLATE,
+            (None, p) if p.uses_buckets() => DEFAULT_BUCKET_TEMPLATE,
+            (None, _) => DEFAULT_TEMPLATE,
         }
+    }
+
+    /// The template parsed as a domain and descriptor entries (envoy-rls).
+    pub fn envoy_template(&self) -> Result<EnvoyTemplate> {
+        EnvoyTemplate::parse(self.template())
+            .with_context(|| format!("--template {:?}", self.template()))
     }
 
     /// The template parsed as bucket words (take and droplet).

@@ -1,7 +1,8 @@
 //! The event loop: one mio `Poll` per thread driving that thread's connections. It owns connecting and
 //! reconnecting (paced: at most [`CONNECTS_PENDING_MAX`] connects under way per thread while the run
 //! starts; running out of file descriptors or local ports is a clear error, not a timeout), the
-//! WebSocket upgrade of droplet connections, the closed-loop refill (keep `pipeline` requests in
+//! WebSocket upgrade of droplet connections, the HTTP/2 frames of envoy-rls calls (streams matched
+//! by id, see [`crate::grpc`]), the closed-loop refill (keep `pipeline` requests in
 //! flight) and the open-loop schedule (requests due at fixed times, queued when a connection's
 //! pipeline is full, latency measured from the due time), reading and parsing answers (and answering
 //! a WebSocket ping), and recording them into the thread's histogram, counters and (for `--check`)
@@ -27,6 +28,7 @@ use rand::Rng;
 
 use crate::check::AllowedHit;
 use crate::config::Protocol;
+use crate::grpc::{self, Frame, FrameParse, StreamTable, Verdict};
 use crate::timer::{tighten_timer_slack, Timer};
 use crate::websocket::{
     handshake_key, handshake_request, parse_handshake, push_client_frame, Handshake, OPCODE_PONG,
@@ -95,6 +97,10 @@ pub struct Plan {
     pub check: bool,
     /// Sent first on every new connection, and again after `NOSCRIPT` (resp-script).
     pub script_load: Option<Vec<u8>>,
+    /// envoy-rls: the HPACK header block of every call.
+    pub header_block: Vec<u8>,
+    /// The longest request of the table, in bytes (envoy-rls: what flow control must allow).
+    pub message_bytes_max: usize,
 }
 
 impl Plan {
@@ -236,6 +242,8 @@ struct Conn {
     seq: u64,
     /// Sequence number of the last SCRIPT LOAD sent (resp-script).
     script_seq: Option<u64>,
+    /// envoy-rls: the HTTP/2 streams in flight (`inflight` is not used).
+    h2: Option<StreamTable<Pending>>,
     retry_at_ns: u64,
     backoff_ns: u64,
 }
@@ -261,6 +269,7 @@ impl Conn {
             budget: plan.budget(id),
             seq: 0,
             script_seq: None,
+            h2: (plan.protocol == Protocol::EnvoyRls).then(|| StreamTable::new(plan.pipeline)),
             retry_at_ns: 0,
             backoff_ns: 0,
         }
@@ -312,6 +321,13 @@ impl Conn {
         for p in self.inflight.drain(..) {
             if !p.control && ctx.in_window(p.due_ns) {
                 ctx.counts.unanswered += 1;
+            }
+        }
+        if let Some(h2) = self.h2.as_mut() {
+            for stream in h2.drain() {
+                if ctx.in_window(stream.call.due_ns) {
+                    ctx.counts.unanswered += 1;
+                }
             }
         }
         self.inflight_reqs = 0;
@@ -367,6 +383,10 @@ impl Conn {
             self.stage = Stage::Upgrading;
             self.flush(ctx, registry, now);
             return;
+        }
+        if let Some(h2) = self.h2.as_mut() {
+            h2.reset();
+            grpc::push_preface(&mut self.wbuf);
         }
         self.stage = Stage::Ready;
         if plan.script_load.is_some() {
@@ -442,7 +462,18 @@ impl Conn {
             return;
         }
         let shared = ctx.shared;
-        let room = shared.plan.pipeline - self.inflight_reqs;
+        let room = match self.h2.as_ref() {
+            Some(h2) => {
+                if h2.exhausted() && self.inflight_reqs == 0 {
+                    // Out of stream ids, or the server went away: a new connection starts over.
+                    self.close(ctx, registry, now);
+                    self.retry_at_ns = now;
+                    return;
+                }
+                h2.room(shared.plan.pipeline, shared.plan.message_bytes_max)
+            }
+            None => shared.plan.pipeline - self.inflight_reqs,
+        };
         let open = shared.plan.rate.is_some();
         let n = if open {
             room.min(self.queued.len())
@@ -454,7 +485,8 @@ impl Conn {
         } else {
             0
         };
-        for _ in 0..n {
+        let mut sent = 0;
+        while sent < n {
             let due_ns = if open {
                 self.queued.pop_front().unwrap_or(now)
             } else {
@@ -467,17 +499,38 @@ impl Conn {
                 }
                 None => shared.picker.pick(&mut self.rng),
             };
-            self.wbuf.extend_from_slice(shared.table.get(actor));
-            self.inflight.push_back(Pending {
+            let pending = Pending {
                 due_ns,
                 sent_ns: now,
                 seq: self.seq,
                 actor,
                 control: false,
-            });
+            };
+            let request = shared.table.get(actor);
+            match self.h2.as_mut() {
+                Some(h2) => {
+                    // `room` made sure every call of the table fits.
+                    let Some(stream) = h2.open(pending, request.len()) else {
+                        if open {
+                            self.queued.push_front(due_ns);
+                        } else {
+                            let unsent = (n - sent) as u64;
+                            self.budget += unsent;
+                            ctx.budget_left = ctx.budget_left.saturating_add(unsent);
+                        }
+                        break;
+                    };
+                    grpc::push_call(&mut self.wbuf, stream, &shared.plan.header_block, request);
+                }
+                None => {
+                    self.wbuf.extend_from_slice(request);
+                    self.inflight.push_back(pending);
+                }
+            }
             self.seq += 1;
+            sent += 1;
         }
-        self.inflight_reqs += n;
+        self.inflight_reqs += sent;
         self.flush(ctx, registry, now);
     }
 
@@ -551,6 +604,9 @@ impl Conn {
     fn handle_answers(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) -> bool {
         let shared = ctx.shared;
         let plan = &shared.plan;
+        if self.h2.is_some() {
+            return self.handle_frames(ctx, registry, now);
+        }
         loop {
             let buf = &self.rbuf[self.rlo..self.rhi];
             let parsed = match plan.protocol {
@@ -558,6 +614,8 @@ impl Conn {
                 Protocol::Take => parse_take(buf),
                 Protocol::Droplet => parse_droplet(buf),
                 Protocol::RespIncr | Protocol::RespScript => parse_resp(buf, plan.resp_mode),
+                // Read by `handle_frames`.
+                Protocol::EnvoyRls => Parse::Invalid,
             };
             let (used, reply) = match parsed {
                 Parse::Control { used, ping } => {
@@ -604,59 +662,154 @@ impl Conn {
                 }
                 continue;
             }
-            self.inflight_reqs -= 1;
-            ctx.answered += 1;
-            let recorded = ctx.in_window(p.due_ns);
-            if recorded {
-                let latency = now.saturating_sub(p.due_ns).clamp(1, LATENCY_NS_MAX);
-                ctx.hist.saturating_record(latency);
+            if !self.record(ctx, registry, p, reply, now) {
+                return false;
             }
-            match reply {
-                Reply::Allowed { credit } => {
-                    if recorded {
-                        ctx.counts.allowed += 1;
+        }
+    }
+
+    /// Parse the HTTP/2 frames in the read buffer (envoy-rls): answer SETTINGS and PING, apply
+    /// flow control, and record each call when its stream ends. False when the connection closed.
+    fn handle_frames(&mut self, ctx: &mut Ctx, registry: &Registry, now: u64) -> bool {
+        loop {
+            let Some(h2) = self.h2.as_mut() else {
+                return false;
+            };
+            let (used, frame) = match grpc::parse_frame(&self.rbuf[self.rlo..self.rhi]) {
+                FrameParse::Complete(used, frame) => (used, frame),
+                FrameParse::Incomplete => {
+                    if self.rlo == self.rhi {
+                        self.rlo = 0;
+                        self.rhi = 0;
                     }
-                    if plan.check {
-                        ctx.hits.push(AllowedHit {
-                            actor: p.actor,
-                            conn: self.id as u32,
-                            seq: p.seq,
-                            sent_ns: p.sent_ns,
-                            recv_ns: now,
-                            credit,
-                        });
-                    }
+                    return true;
                 }
-                Reply::Denied => {
-                    if recorded {
-                        ctx.counts.denied += 1;
-                    }
-                }
-                Reply::Error { noscript } => {
+                FrameParse::Invalid => {
+                    ctx.counts.errors += 1;
                     ctx.errors += 1;
-                    if recorded {
-                        ctx.counts.errors += 1;
+                    self.close(ctx, registry, now);
+                    return false;
+                }
+            };
+            // A stream that ended: its call and whether it was reset.
+            let mut ended = None;
+            match frame {
+                Frame::Data {
+                    stream,
+                    end,
+                    payload,
+                    flow,
+                } => {
+                    h2.consumed(flow, &mut self.wbuf);
+                    if let Some(s) = h2.get_mut(stream) {
+                        s.verdict.get_or_insert(grpc::response_verdict(payload));
                     }
-                    if plan.protocol.closes_after_error() {
-                        // The server closes after an ERR (or droplet's close frame); nothing after
-                        // it was executed.
-                        self.close(ctx, registry, now);
-                        self.retry_at_ns = now;
-                        return false;
-                    }
-                    if noscript && self.script_seq.is_none_or_before(p.seq) {
-                        self.push_script_load(ctx, now);
-                        self.flush(ctx, registry, now);
+                    if end {
+                        ended = h2.close(stream).map(|s| (s, false));
                     }
                 }
-                Reply::Other => {
-                    ctx.errors += 1;
-                    if recorded {
-                        ctx.counts.errors += 1;
-                    }
+                Frame::Headers { stream, end: true } => {
+                    ended = h2.close(stream).map(|s| (s, false));
+                }
+                Frame::Reset { stream } => ended = h2.close(stream).map(|s| (s, true)),
+                Frame::Settings {
+                    ack: false,
+                    payload,
+                } => h2.settings(payload, &mut self.wbuf),
+                Frame::Ping {
+                    ack: false,
+                    payload,
+                } => grpc::push_ping_ack(&mut self.wbuf, payload),
+                Frame::WindowUpdate { stream, increment } => h2.window_update(stream, increment),
+                // The server is closing: it answers the streams it took (or closes, and what it
+                // has not answered is lost); `fill` replaces the connection once they are done.
+                Frame::GoAway => h2.going_away = true,
+                Frame::Headers { .. }
+                | Frame::Settings { .. }
+                | Frame::Ping { .. }
+                | Frame::Other => {}
+            }
+            self.rlo += used;
+            let Some((stream, reset)) = ended else {
+                continue;
+            };
+            self.backoff_ns = 0;
+            let reply = match (reset, stream.verdict) {
+                (false, Some(Verdict::Ok)) => Reply::Allowed { credit: 0 },
+                (false, Some(Verdict::OverLimit)) => Reply::Denied,
+                (false, Some(Verdict::Unexpected)) => Reply::Other,
+                // No message: gRPC's trailers-only error form; or the stream was reset.
+                (_, None) | (true, _) => Reply::Error { noscript: false },
+            };
+            if !self.record(ctx, registry, stream.call, reply, now) {
+                return false;
+            }
+        }
+    }
+
+    /// Record the answer `reply` to the workload request `p`. False when the connection closed.
+    fn record(
+        &mut self,
+        ctx: &mut Ctx,
+        registry: &Registry,
+        p: Pending,
+        reply: Reply,
+        now: u64,
+    ) -> bool {
+        let plan = &ctx.shared.plan;
+        self.inflight_reqs -= 1;
+        ctx.answered += 1;
+        let recorded = ctx.in_window(p.due_ns);
+        if recorded {
+            let latency = now.saturating_sub(p.due_ns).clamp(1, LATENCY_NS_MAX);
+            ctx.hist.saturating_record(latency);
+        }
+        match reply {
+            Reply::Allowed { credit } => {
+                if recorded {
+                    ctx.counts.allowed += 1;
+                }
+                if plan.check {
+                    ctx.hits.push(AllowedHit {
+                        actor: p.actor,
+                        conn: self.id as u32,
+                        seq: p.seq,
+                        sent_ns: p.sent_ns,
+                        recv_ns: now,
+                        credit,
+                    });
+                }
+            }
+            Reply::Denied => {
+                if recorded {
+                    ctx.counts.denied += 1;
+                }
+            }
+            Reply::Error { noscript } => {
+                ctx.errors += 1;
+                if recorded {
+                    ctx.counts.errors += 1;
+                }
+                if plan.protocol.closes_after_error() {
+                    // The server closes after an ERR (or droplet's close frame); nothing after
+                    // it was executed.
+                    self.close(ctx, registry, now);
+                    self.retry_at_ns = now;
+                    return false;
+                }
+                if noscript && self.script_seq.is_none_or_before(p.seq) {
+                    self.push_script_load(ctx, now);
+                    self.flush(ctx, registry, now);
+                }
+            }
+            Reply::Other => {
+                ctx.errors += 1;
+                if recorded {
+                    ctx.counts.errors += 1;
                 }
             }
         }
+        true
     }
 }
 
@@ -1062,6 +1215,13 @@ impl<'a> ThreadLoop<'a> {
             for p in c.inflight.drain(..) {
                 if !p.control && self.ctx.in_window(p.due_ns) {
                     self.ctx.counts.unanswered += 1;
+                }
+            }
+            if let Some(h2) = c.h2.as_mut() {
+                for stream in h2.drain() {
+                    if self.ctx.in_window(stream.call.due_ns) {
+                        self.ctx.counts.unanswered += 1;
+                    }
                 }
             }
             for due in c.queued.drain(..) {

@@ -1,7 +1,8 @@
 //! `tollgate-loadtest`: a load generator for divvy-protocol servers (Tollgate, divvy), for droplet's
-//! token buckets (`TAKE` lines, and protobuf over WebSocket) and for Redis. This file owns a run from
-//! start to end: validating the configuration, raising the open-files limit, the preflight connection
-//! (which also loads the Lua script for resp-script, and tries the WebSocket upgrade for droplet),
+//! token buckets (`TAKE` lines, and protobuf over WebSocket), for Envoy's rate limit service (gRPC)
+//! and for Redis. This file owns a run from start to end: validating the configuration, raising the
+//! open-files limit, the preflight connection (which also loads the Lua script for resp-script, tries
+//! the WebSocket upgrade for droplet, and checks for HTTP/2 for envoy-rls),
 //! building the shared request table, starting one event-loop thread per `--threads`, drawing the
 //! progress line and writing the per-second `--interval-json` lines, and merging the threads' results
 //! into a [`Report`] (with the `--check` verdict). The binary is a thin wrapper around [`run`].
@@ -12,6 +13,7 @@ pub mod droplet;
 pub mod event_loop;
 pub mod failover;
 pub mod fd_limit;
+pub mod grpc;
 pub mod plot;
 pub mod report;
 pub mod routes;
@@ -88,6 +90,12 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         seed: args.seed,
         check: args.check,
         script_load: (args.protocol == Protocol::RespScript).then(script_load_command),
+        header_block: if args.protocol == Protocol::EnvoyRls {
+            grpc::request_header_block(&args.target)
+        } else {
+            Vec::new()
+        },
+        message_bytes_max: table.longest(),
     };
     let shared = RunShared {
         base: Instant::now(),
@@ -260,6 +268,10 @@ fn preflight(args: &Args, addr: SocketAddr) -> Result<Option<String>> {
             buf.extend_from_slice(&chunk[..n]);
         }
     }
+    if args.protocol == Protocol::EnvoyRls {
+        preflight_http2(&mut s, addr, timeout)?;
+        return Ok(None);
+    }
     if args.protocol != Protocol::RespScript {
         return Ok(None);
     }
@@ -293,6 +305,33 @@ fn preflight(args: &Args, addr: SocketAddr) -> Result<Option<String>> {
                 buf.extend_from_slice(&chunk[..n]);
             }
         }
+    }
+}
+
+/// envoy-rls: the target must speak HTTP/2 without TLS (prior knowledge): its first frame after our
+/// preface is SETTINGS.
+fn preflight_http2(s: &mut TcpStream, addr: SocketAddr, timeout: Duration) -> Result<()> {
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let mut preface = Vec::new();
+    grpc::push_preface(&mut preface);
+    s.write_all(&preface)
+        .context("sending the HTTP/2 preface")?;
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 256];
+    loop {
+        match grpc::parse_frame(&buf) {
+            grpc::FrameParse::Complete(_, grpc::Frame::Settings { ack: false, .. }) => return Ok(()),
+            grpc::FrameParse::Incomplete => {}
+            _ => bail!("{addr} does not speak HTTP/2 (its first frame is not SETTINGS): is it the --grpc-listen address?"),
+        }
+        let n = s
+            .read(&mut chunk)
+            .with_context(|| format!("{addr}: waiting for the server's HTTP/2 SETTINGS"))?;
+        if n == 0 {
+            bail!("{addr} closed the connection after the HTTP/2 preface: is it the --grpc-listen address?");
+        }
+        buf.extend_from_slice(&chunk[..n]);
     }
 }
 

@@ -1,8 +1,9 @@
 //! What is sent: the table of preformatted request bytes (one entry per actor, built once before the
-//! run so the steady path only copies bytes: divvy `HIT` and `TAKE` lines, RESP commands, and whole
-//! WebSocket frames for droplet, which the all-zero masking key makes the same on every send), the
-//! actor picker (uniform or Zipf, driven by a seeded per-connection `SmallRng`), and divvy's
-//! fixed-window Lua script with the RESP framing around it.
+//! run so the steady path only copies bytes: divvy `HIT` and `TAKE` lines, RESP commands, whole
+//! WebSocket frames for droplet, which the all-zero masking key makes the same on every send, and
+//! gRPC messages for envoy-rls, whose HTTP/2 frames are written around them per call since they carry
+//! the stream id), the actor picker (uniform or Zipf, driven by a seeded per-connection `SmallRng`),
+//! and divvy's fixed-window Lua script with the RESP framing around it.
 
 use anyhow::{bail, Result};
 use rand::rngs::SmallRng;
@@ -10,6 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::Zipf;
 
 use crate::config::{Args, Distribution, Protocol};
+use crate::grpc::FRAME_PAYLOAD_BYTES_MAX;
 use crate::websocket::{push_client_frame, OPCODE_BINARY};
 
 /// divvy's fixed-window step, one atomic script per hit. KEYS[1] = counter key, ARGV[1] = creditLimit,
@@ -97,6 +99,10 @@ impl RequestTable {
             Protocol::Droplet => Some(args.bucket_template()?),
             _ => None,
         };
+        let envoy_template = match args.protocol {
+            Protocol::EnvoyRls => Some(args.envoy_template()?),
+            _ => None,
+        };
         for i in 0..n {
             match args.protocol {
                 Protocol::Divvy | Protocol::Take => {
@@ -118,6 +124,19 @@ impl RequestTable {
                     };
                     let request = t.encode_request(&actor_name(&args.actor_prefix, i));
                     push_client_frame(&mut bytes, OPCODE_BINARY, &request);
+                }
+                Protocol::EnvoyRls => {
+                    let Some(t) = envoy_template.as_ref() else {
+                        bail!("envoy-rls needs a descriptor template");
+                    };
+                    let message = t.encode_message(&actor_name(&args.actor_prefix, i));
+                    if message.len() > FRAME_PAYLOAD_BYTES_MAX {
+                        bail!(
+                            "--template and --actor-prefix make envoy-rls messages larger than \
+                             {FRAME_PAYLOAD_BYTES_MAX} bytes (one HTTP/2 frame)"
+                        );
+                    }
+                    bytes.extend_from_slice(&message);
                 }
                 Protocol::RespIncr => {
                     let key = redis_key(args, i);
@@ -151,6 +170,15 @@ impl RequestTable {
     pub fn get(&self, i: u32) -> &[u8] {
         let i = i as usize;
         &self.bytes[self.offsets[i]..self.offsets[i + 1]]
+    }
+
+    /// The longest request in the table, in bytes.
+    pub fn longest(&self) -> usize {
+        self.offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0)
     }
 
     /// Number of actors in the table.
@@ -261,6 +289,20 @@ mod tests {
         let mut frame = vec![0x82, 0x80 | payload.len() as u8, 0, 0, 0, 0];
         frame.extend_from_slice(payload);
         assert_eq!(t.get(1), frame);
+    }
+
+    #[test]
+    fn envoy_requests_are_grpc_messages() {
+        let a = args(&["--actors", "2", "--protocol", "envoy-rls"]);
+        let t = RequestTable::build(&a, None).unwrap();
+        let m = t.get(1);
+        assert_eq!(m[0], 0, "not compressed");
+        assert_eq!(
+            u32::from_be_bytes([m[1], m[2], m[3], m[4]]) as usize,
+            m.len() - 5
+        );
+        assert!(m.windows(10).any(|w| w == b"\x0a\x08loadtest"), "{m:?}");
+        assert!(m.ends_with(b"\x0a\x02ip\x12\x02a1"), "{m:?}");
     }
 
     #[test]

@@ -22,7 +22,7 @@ use super::proto::{decode_request, encode_response, Command, DecodeError};
 use super::Buckets;
 use crate::clock::Clock;
 use crate::limiter::droplet_bucket::Balances;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RequestProtocol};
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use std::net::SocketAddr;
@@ -94,6 +94,8 @@ pub struct DropletProtocol {
     websocket: WebSocketConfig,
     /// A refused take (bucket cap) was logged at warn level once already.
     warned_full: AtomicBool,
+    /// Requests are counted here, once per write.
+    metrics: Arc<Metrics>,
 }
 
 impl ConnectionHandler for DropletProtocol {
@@ -135,6 +137,7 @@ pub fn bind(
         clock,
         websocket,
         warned_full: AtomicBool::new(false),
+        metrics: Arc::clone(&metrics),
     });
     let acceptor = AcceptorConfig {
         listen: config.listen,
@@ -302,7 +305,9 @@ impl Session {
                 incoming = self.websocket.next() => incoming,
                 _ = shutdown.changed() => return self.close(CloseCode::Away).await,
             };
-            let mut step = self.step(incoming);
+            // Data messages read before this write, counted once.
+            let mut requests = 0u64;
+            let mut step = self.step(incoming, &mut requests);
             // Answer everything that has already arrived, then write once.
             for answered in 1.. {
                 match step {
@@ -317,8 +322,12 @@ impl Session {
                         }
                     }
                     Step::Nothing => {}
-                    Step::Close(code) => return self.close(code).await,
+                    Step::Close(code) => {
+                        self.count_requests(requests);
+                        return self.close(code).await;
+                    }
                     Step::End => {
+                        self.count_requests(requests);
                         let _ = self.websocket.flush().await;
                         return;
                     }
@@ -327,17 +336,31 @@ impl Session {
                     break;
                 }
                 match self.websocket.next().now_or_never() {
-                    Some(incoming) => step = self.step(incoming),
+                    Some(incoming) => step = self.step(incoming, &mut requests),
                     None => break,
                 }
             }
+            self.count_requests(requests);
             if self.websocket.flush().await.is_err() {
                 return;
             }
         }
     }
 
-    fn step(&self, incoming: Option<Result<Message, WsError>>) -> Step {
+    fn count_requests(&self, requests: u64) {
+        if requests > 0 {
+            self.shared
+                .metrics
+                .requests_read(RequestProtocol::Droplet, requests);
+        }
+    }
+
+    /// What `incoming` calls for; a data message (a request, or text) adds
+    /// one to `requests`.
+    fn step(&self, incoming: Option<Result<Message, WsError>>, requests: &mut u64) -> Step {
+        if matches!(incoming, Some(Ok(Message::Binary(_) | Message::Text(_)))) {
+            *requests += 1;
+        }
         match incoming {
             Some(Ok(Message::Binary(bytes))) => match self.answer(&bytes) {
                 Ok(response) => Step::Answer(response),

@@ -1,9 +1,13 @@
 //! The gRPC endpoint (`--grpc-listen`): HTTP/2 connections on the
 //! thread-per-core acceptor that the line protocol and droplet share (the
 //! connection limit, panics and drain are handled there), each served by
-//! hyper's HTTP/2 server, with tonic framing the calls. Two methods are
-//! answered: `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`
-//! and `grpc.health.v1.Health/Check`; any other is `UNIMPLEMENTED`.
+//! hyper's HTTP/2 server. Two methods are answered:
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`, framed
+//! here (the body read whole within the size limit, the 5-byte gRPC prefix
+//! checked, the response message and its `grpc-status: 0` trailers written
+//! by a two-frame body: tonic's generic unary machinery cost more per call
+//! than the decision), and `grpc.health.v1.Health/Check`, framed by tonic;
+//! any other is `UNIMPLEMENTED`.
 //!
 //! Bad input stays bounded: a message larger than `message_bytes_max` is
 //! refused (`RESOURCE_EXHAUSTED`) before it is buffered, one that does not
@@ -19,23 +23,30 @@ use crate::engine::Engine;
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::protocol::Pairs;
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
+use bytes::{BufMut, Bytes, BytesMut};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use futures_util::future::BoxFuture;
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use futures_util::future::LocalBoxFuture;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::cell::RefCell;
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic::codegen::http;
 use tonic::server::{Grpc, UnaryService};
 use tonic::Status;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
-use tonic_prost::{ProstCodec, ProstEncoder};
+use tonic_prost::ProstCodec;
 
 /// The path of Envoy's rate limit call.
 pub const SHOULD_RATE_LIMIT_PATH: &str =
@@ -50,6 +61,8 @@ const KEEP_ALIVE_TIMEOUT_MS: u64 = 20_000;
 const HEADER_LIST_BYTES_MAX: u32 = 16 * 1024;
 /// Streams a client may reset before their handling starts (rapid reset).
 const PENDING_RESET_STREAMS_MAX: usize = 64;
+/// gRPC's message prefix: a compression flag and a 4-byte length.
+const MESSAGE_PREFIX_BYTES: usize = 5;
 
 /// Where and how the gRPC endpoint serves.
 #[derive(Debug, Clone)]
@@ -123,18 +136,22 @@ impl ConnectionHandler for GrpcProtocol {
         if !matches!(first_byte, Ok(Ok(read)) if read > 0) {
             return;
         }
-        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        let streams = StreamSet::default();
+        let mut builder = hyper::server::conn::http2::Builder::new(streams.clone());
         builder
             .timer(TokioTimer::new())
             .max_concurrent_streams(self.streams_per_connection_max)
             .max_header_list_size(HEADER_LIST_BYTES_MAX)
             .max_pending_accept_reset_streams(Some(PENDING_RESET_STREAMS_MAX))
             .keep_alive_interval(Some(Duration::from_millis(KEEP_ALIVE_INTERVAL_MS)))
-            .keep_alive_timeout(Duration::from_millis(KEEP_ALIVE_TIMEOUT_MS));
+            .keep_alive_timeout(Duration::from_millis(KEEP_ALIVE_TIMEOUT_MS))
+            // gRPC has no use for a `date` header on every response.
+            .auto_date_header(false);
         let shared = Arc::clone(&self);
         let service = hyper::service::service_fn(move |request| {
             let shared = Arc::clone(&shared);
-            async move { Ok::<_, Infallible>(shared.route(request).await) }
+            // Boxed: a small stream future moves cheaply.
+            Box::pin(async move { Ok::<_, Infallible>(shared.route(request).await) })
         });
         let connection = builder.serve_connection(TokioIo::new(stream), service);
         tokio::pin!(connection);
@@ -142,16 +159,83 @@ impl ConnectionHandler for GrpcProtocol {
             connection.as_mut().graceful_shutdown();
         }
         tokio::select! {
-            _ = connection.as_mut() => return,
-            _ = shutdown.changed() => connection.as_mut().graceful_shutdown(),
+            _ = streams.drive(connection.as_mut()) => {}
+            _ = shutdown.changed() => {
+                connection.as_mut().graceful_shutdown();
+                // GOAWAY sent: calls in progress finish (the acceptor bounds this).
+                let _ = streams.drive(connection.as_mut()).await;
+            }
         }
-        // GOAWAY sent: calls in progress finish (the acceptor bounds this).
-        let _ = connection.await;
+        // Calls still deciding when the connection ended (their answers cannot
+        // be sent) finish rather than stop halfway.
+        std::future::poll_fn(|cx| streams.poll_streams(cx)).await;
     }
 
     async fn refuse(self: Arc<Self>, stream: TcpStream) {
         // An HTTP/2 client retries a connection closed before its settings.
         drop(stream);
+    }
+}
+
+/// The calls (HTTP/2 streams) of one connection, run inside the
+/// connection's own task: hyper hands each stream to its executor, and a
+/// tokio task per call (allocated, scheduled, woken across tasks) cost more
+/// than the call's decision. A call that panicked would end its connection
+/// (logged by the acceptor, as on the other endpoints) rather than only its
+/// stream.
+#[derive(Clone, Default)]
+struct StreamSet(Rc<StreamSetInner>);
+
+#[derive(Default)]
+struct StreamSetInner {
+    running: RefCell<FuturesUnordered<LocalBoxFuture<'static, ()>>>,
+    /// Streams handed over while `running` is being polled (never, for
+    /// gRPC: only HTTP upgrades spawn from a stream), moved in before the
+    /// next poll.
+    incoming: RefCell<Vec<LocalBoxFuture<'static, ()>>>,
+}
+
+impl<F: Future<Output = ()> + 'static> hyper::rt::Executor<F> for StreamSet {
+    fn execute(&self, stream: F) {
+        match self.0.running.try_borrow_mut() {
+            Ok(running) => running.push(Box::pin(stream)),
+            Err(_) => self.0.incoming.borrow_mut().push(Box::pin(stream)),
+        }
+    }
+}
+
+impl StreamSet {
+    /// Polls every stream that can progress; ready when none is left.
+    fn poll_streams(&self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let mut running = self.0.running.borrow_mut();
+            running.extend(self.0.incoming.borrow_mut().drain(..));
+            let polled = running.poll_next_unpin(cx);
+            drop(running);
+            match polled {
+                Poll::Ready(Some(())) => continue,
+                Poll::Ready(None) if self.0.incoming.borrow().is_empty() => return Poll::Ready(()),
+                Poll::Ready(None) => continue,
+                Poll::Pending if self.0.incoming.borrow().is_empty() => return Poll::Pending,
+                Poll::Pending => continue,
+            }
+        }
+    }
+
+    /// Drives `connection` and its streams until the connection ends.
+    fn drive<'a, C: Future>(
+        &'a self,
+        mut connection: Pin<&'a mut C>,
+    ) -> impl Future<Output = C::Output> + 'a {
+        std::future::poll_fn(move |cx| {
+            let _ = self.poll_streams(cx);
+            let polled = connection.as_mut().poll(cx);
+            if polled.is_pending() {
+                // Streams the connection just accepted start now.
+                let _ = self.poll_streams(cx);
+            }
+            polled
+        })
     }
 }
 
@@ -163,14 +247,12 @@ impl GrpcProtocol {
         let metrics = Arc::clone(&self.engine.metrics);
         let (method, response) = match request.uri().path() {
             SHOULD_RATE_LIMIT_PATH => {
-                let mut grpc = Grpc::new(EnvoyCodec)
-                    // Ours answers RESOURCE_EXHAUSTED; tonic's, further up,
-                    // OUT_OF_RANGE (rewritten below), before buffering.
-                    .max_decoding_message_size(self.message_bytes_max);
-                let response = grpc
-                    .unary(ShouldRateLimit(Arc::clone(&self)), request)
-                    .await;
-                (GrpcMethod::ShouldRateLimit, response)
+                let (code, response) = match self.should_rate_limit_call(request).await {
+                    Ok(message) => (0, unary_response(message)),
+                    Err(status) => (status.code() as usize, status.into_http()),
+                };
+                metrics.grpc_response(GrpcMethod::ShouldRateLimit, code);
+                return response;
             }
             HEALTH_CHECK_PATH => {
                 let codec = ProstCodec::<HealthCheckResponse, HealthCheckRequest>::default();
@@ -187,17 +269,43 @@ impl GrpcProtocol {
         let code = grpc_status(&response);
         let code = if code == tonic::Code::OutOfRange as usize {
             // tonic's refusal of a message over the size limit.
-            let refused = Status::resource_exhausted(format!(
-                "message larger than the {} bytes allowed (--grpc-message-bytes-max)",
-                self.message_bytes_max
-            ));
-            response = refused.into_http();
+            response = message_too_large(self.message_bytes_max).into_http();
             tonic::Code::ResourceExhausted as usize
         } else {
             code
         };
         metrics.grpc_response(method, code);
         response
+    }
+
+    /// One `ShouldRateLimit` call: the request message read whole (refused
+    /// past `message_bytes_max`), decided, and the response message with its
+    /// gRPC prefix.
+    async fn should_rate_limit_call(
+        &self,
+        request: http::Request<Incoming>,
+    ) -> Result<Bytes, Status> {
+        let limit = self.message_bytes_max.saturating_add(MESSAGE_PREFIX_BYTES);
+        let body = Limited::new(request.into_body(), limit)
+            .collect()
+            .await
+            .map_err(|error| {
+                if error.is::<LengthLimitError>() {
+                    message_too_large(self.message_bytes_max)
+                } else {
+                    Status::cancelled(format!("reading the request: {error}"))
+                }
+            })?
+            .to_bytes();
+        let message = request_message(&body, self.message_bytes_max)?;
+        let request = mapping::decode_request(message).map_err(Status::invalid_argument)?;
+        let response = self.should_rate_limit(request).await?;
+        let length = prost::Message::encoded_len(&response);
+        let mut out = BytesMut::with_capacity(MESSAGE_PREFIX_BYTES + length);
+        out.put_u8(0);
+        out.put_u32(u32::try_from(length).unwrap_or(u32::MAX));
+        prost::Message::encode_raw(&response, &mut out);
+        Ok(out.freeze())
     }
 
     /// Decides every descriptor of `request`, in order.
@@ -239,18 +347,80 @@ fn grpc_status(response: &http::Response<tonic::body::Body>) -> usize {
         .unwrap_or(0)
 }
 
-struct ShouldRateLimit(Arc<GrpcProtocol>);
+/// The status of a request message over `bytes_max`.
+fn message_too_large(bytes_max: usize) -> Status {
+    Status::resource_exhausted(format!(
+        "message larger than the {bytes_max} bytes allowed (--grpc-message-bytes-max)"
+    ))
+}
 
-impl UnaryService<RateLimitRequest> for ShouldRateLimit {
-    type Response = RateLimitResponse;
-    type Future = BoxFuture<'static, Result<tonic::Response<RateLimitResponse>, Status>>;
+/// The one message of a unary request's body (a 5-byte prefix: not
+/// compressed, then its length), at most `bytes_max` long.
+fn request_message(body: &[u8], bytes_max: usize) -> Result<&[u8], Status> {
+    match body {
+        [] => Err(Status::invalid_argument("no request message")),
+        [0, a, b, c, d, message @ ..] => {
+            let length = u32::from_be_bytes([*a, *b, *c, *d]) as usize;
+            if length > bytes_max {
+                return Err(message_too_large(bytes_max));
+            }
+            if length != message.len() {
+                return Err(Status::invalid_argument(format!(
+                    "the request has {} bytes after its gRPC prefix, not the one message of \
+                     {length} bytes the prefix announces",
+                    message.len()
+                )));
+            }
+            Ok(message)
+        }
+        [1, ..] => Err(Status::unimplemented(
+            "compressed request messages are not accepted (send them uncompressed)",
+        )),
+        _ => Err(Status::invalid_argument("malformed gRPC message prefix")),
+    }
+}
 
-    fn call(&mut self, request: tonic::Request<RateLimitRequest>) -> Self::Future {
-        let shared = Arc::clone(&self.0);
-        Box::pin(async move {
-            let response = shared.should_rate_limit(request.into_inner()).await?;
-            Ok(tonic::Response::new(response))
-        })
+/// A successful unary response: `message` (prefixed), then the trailers.
+fn unary_response(message: Bytes) -> http::Response<tonic::body::Body> {
+    let mut response = http::Response::new(tonic::body::Body::new(UnaryBody {
+        message: Some(message),
+        trailers_sent: false,
+    }));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    response
+}
+
+/// The body of a successful unary call: one message, then `grpc-status: 0`.
+struct UnaryBody {
+    message: Option<Bytes>,
+    trailers_sent: bool,
+}
+
+impl hyper::body::Body for UnaryBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        if let Some(message) = self.message.take() {
+            return Poll::Ready(Some(Ok(Frame::data(message))));
+        }
+        if self.trailers_sent {
+            return Poll::Ready(None);
+        }
+        self.trailers_sent = true;
+        let mut trailers = http::HeaderMap::with_capacity(1);
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.message.is_none() && self.trailers_sent
     }
 }
 
@@ -276,35 +446,35 @@ impl UnaryService<HealthCheckRequest> for HealthCheck {
     }
 }
 
-/// Envoy's messages with a decoder whose every failure is the client's
-/// (`INVALID_ARGUMENT`): prost's own says `INTERNAL`.
-#[derive(Debug, Clone, Copy, Default)]
-struct EnvoyCodec;
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl Codec for EnvoyCodec {
-    type Encode = RateLimitResponse;
-    type Decode = RateLimitRequest;
-    type Encoder = ProstEncoder<RateLimitResponse>;
-    type Decoder = RequestDecoder;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        ProstEncoder::new(BufferSettings::default())
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        RequestDecoder
-    }
-}
-
-struct RequestDecoder;
-
-impl Decoder for RequestDecoder {
-    type Item = RateLimitRequest;
-    type Error = Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<RateLimitRequest>, Status> {
-        mapping::decode_request(src)
-            .map(Some)
-            .map_err(Status::invalid_argument)
+    #[test]
+    fn a_request_body_is_one_uncompressed_message_within_the_limit() {
+        let ok = [0, 0, 0, 0, 2, 0x0a, 0x00];
+        assert_eq!(request_message(&ok, 2).map_err(|s| s.code()), Ok(&ok[5..]));
+        let code = |body: &[u8]| request_message(body, 2).map(|_| ()).map_err(|s| s.code());
+        assert_eq!(code(&[]), Err(tonic::Code::InvalidArgument));
+        assert_eq!(code(&[0, 0, 0]), Err(tonic::Code::InvalidArgument));
+        // Truncated, and followed by a second message.
+        assert_eq!(
+            code(&[0, 0, 0, 0, 2, 0x0a]),
+            Err(tonic::Code::InvalidArgument)
+        );
+        assert_eq!(
+            code(&[0, 0, 0, 0, 1, 0x0a, 0, 0, 0, 0, 0]),
+            Err(tonic::Code::InvalidArgument)
+        );
+        assert_eq!(
+            code(&[0, 0, 0, 0, 3, 1, 2, 3]),
+            Err(tonic::Code::ResourceExhausted)
+        );
+        assert_eq!(
+            code(&[0, 0xff, 0xff, 0xff, 0xff]),
+            Err(tonic::Code::ResourceExhausted)
+        );
+        assert_eq!(code(&[1, 0, 0, 0, 0]), Err(tonic::Code::Unimplemented));
+        assert_eq!(code(&[7, 0, 0, 0, 0]), Err(tonic::Code::InvalidArgument));
     }
 }

@@ -14,7 +14,7 @@ use crate::cluster::ClusterSnapshot;
 use crate::droplet::Buckets;
 use crate::engine::Engine;
 use crate::metrics::{
-    GrpcMethod, HitStatus, Metrics, StatsdDrop, ERROR_CODES, GRPC_CODES,
+    GrpcMethod, HitStatus, Metrics, RequestProtocol, StatsdDrop, ERROR_CODES, GRPC_CODES,
     HIT_DURATION_BUCKETS_SECONDS,
 };
 use crate::store::MemoryStore;
@@ -122,6 +122,12 @@ const GRPC_REQUESTS: Family = Family {
     help: "gRPC calls answered (Envoy's rate limit service, --grpc-listen), by method and gRPC status code.",
     kind: MetricType::COUNTER,
     labels: &["method", "code"],
+};
+const REQUESTS: Family = Family {
+    name: "tollgate_requests_total",
+    help: "Requests read, by wire protocol: divvy (line protocol lines), droplet (WebSocket messages), envoy (ShouldRateLimit calls).",
+    kind: MetricType::COUNTER,
+    labels: &["protocol"],
 };
 const BUILD_INFO: Family = Family {
     name: "tollgate_build_info",
@@ -316,7 +322,7 @@ cluster_family!(
 cluster_family!(CLUSTER_SHARDS_UNSERVABLE, "tollgate_cluster_shards_unservable", MetricType::GAUGE,
     "Shards a hit sent to this node could not be decided for now (no leader, or the leader unreachable).");
 
-const FAMILIES: [&Family; 33] = [
+const FAMILIES: [&Family; 34] = [
     &CLUSTER_ROUNDS,
     &CLUSTER_ROUND_SECTIONS,
     &CLUSTER_STATES_REPLICATED,
@@ -346,6 +352,7 @@ const FAMILIES: [&Family; 33] = [
     &SWEEPS,
     &SWEPT_KEYS,
     &DROPLET_BUCKETS,
+    &REQUESTS,
     &BACKEND_ERRORS,
     &BACKEND_HEALTHY,
     &STATSD_DROPPED,
@@ -431,6 +438,7 @@ impl Collector for ServerCollector {
             ),
             family(&STATSD_DROPPED, statsd_dropped),
             family(&GRPC_REQUESTS, grpc_requests(metrics)),
+            family(&REQUESTS, requests(metrics)),
         ];
         if let Some(store) = &self.sources.store {
             use std::sync::atomic::Ordering::Relaxed;
@@ -472,6 +480,22 @@ fn hits(metrics: &Metrics) -> Vec<Metric> {
         }
     }
     samples
+}
+
+/// One sample per protocol, zeros included. Envoy's calls are the
+/// `ShouldRateLimit` calls of `tollgate_grpc_requests_total`, every code.
+fn requests(metrics: &Metrics) -> Vec<Metric> {
+    let envoy = (0..GRPC_CODES)
+        .map(|code| metrics.grpc_responses(GrpcMethod::ShouldRateLimit, code))
+        .sum();
+    [
+        ("divvy", metrics.requests(RequestProtocol::Divvy)),
+        ("droplet", metrics.requests(RequestProtocol::Droplet)),
+        ("envoy", envoy),
+    ]
+    .into_iter()
+    .map(|(protocol, count)| counter(&REQUESTS, &[protocol], count))
+    .collect()
 }
 
 /// One sample per (method, code) that has counted at least one call.

@@ -7,6 +7,7 @@
 use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
 use crate::engine::{DeferredHit, Engine, EngineBatch, Outcome, Reply};
+use crate::metrics::RequestProtocol;
 use crate::protocol::split_line;
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesOrdered, StreamExt};
@@ -206,6 +207,7 @@ impl Connection {
                 _ = line_timeout, if can_read => {
                     // A line trickling in slower than this holds a slot for nothing (slowloris).
                     self.engine.metrics.error(crate::protocol::ErrorCode::Unknown);
+                    self.engine.metrics.requests_read(RequestProtocol::Divvy, 1);
                     self.queue_reply(Reply::error("line timeout"));
                 }
                 _ = idle, if can_read && self.pending.is_empty() && self.partial_line_since.is_none() => {
@@ -221,14 +223,18 @@ impl Connection {
     /// on wait for the batch as one run.
     fn execute_buffered_lines(&mut self) {
         let mut batch = self.engine.begin_batch();
+        // Lines read in this call, counted once at the end (not per line).
+        let mut lines = 0u64;
         while !self.closing && self.pending.len() + self.run.len() < self.limits.pipeline_max {
             let unread = self.input.unread();
             let Some((line, used)) = split_line(unread) else {
                 if unread.len() > self.limits.line_bytes_max {
+                    lines += 1;
                     self.fail_line_too_long();
                 }
                 break;
             };
+            lines += 1;
             if line.len() > self.limits.line_bytes_max {
                 self.fail_line_too_long();
                 break;
@@ -252,6 +258,11 @@ impl Connection {
             }
         }
         self.end_run(batch);
+        if lines > 0 {
+            self.engine
+                .metrics
+                .requests_read(RequestProtocol::Divvy, lines);
+        }
         if self.input.unread().is_empty() {
             self.partial_line_since = None;
         } else if self.partial_line_since.is_none() {

@@ -850,3 +850,87 @@ fn a_dead_or_stalled_statsd_sink_does_not_slow_or_fail_hits() {
     }
     drop(stalled);
 }
+
+#[test]
+fn requests_are_counted_per_protocol() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    use tollgate::droplet::proto::RequestMessage;
+    use tollgate::droplet::DropletConfig;
+    use tollgate::envoy::GrpcConfig;
+    use util::envoy::{descriptor, request, GrpcClient};
+
+    let config = tollgate::app::ServeConfig {
+        droplet: DropletConfig {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            ..DropletConfig::default()
+        },
+        grpc: GrpcConfig {
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            ..GrpcConfig::default()
+        },
+        ..util::test_config(tollgate::rules::RuleSet::from_ini(RULES).unwrap())
+    };
+    let server = TestServer::start_app(config, tollgate::app::Hooks::default());
+    let observability = start_http(&server, "/metrics");
+    let addr = observability.http_addr().unwrap();
+    let counts = |divvy: f64, droplet: f64, envoy: f64| {
+        BTreeMap::from([
+            ("protocol=divvy".to_owned(), divvy),
+            ("protocol=droplet".to_owned(), droplet),
+            ("protocol=envoy".to_owned(), envoy),
+        ])
+    };
+    assert_eq!(
+        series(&scrape(addr), "tollgate_requests_total"),
+        counts(0.0, 0.0, 0.0)
+    );
+
+    // The line protocol: six lines in one write, then a line the server
+    // refuses (it counts too) on another connection.
+    let answers = converse(server.addr, "HIT method=PUT\n".repeat(6).as_bytes());
+    assert_eq!(answers.lines().count(), 6, "{answers}");
+    assert!(converse(server.addr, b"FOO\n").starts_with("ERR unknown-command"));
+
+    // droplet: three requests on one WebSocket.
+    let droplet_url = format!("ws://{}/", server.app.droplet_addr().unwrap());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (mut ws, _) = tokio_tungstenite::connect_async(droplet_url).await.unwrap();
+        for _ in 0..3 {
+            let take = RequestMessage {
+                bucket: Some(b"b".to_vec()),
+                id: Some(b"test".to_vec()),
+                ls: Some(10),
+                ..RequestMessage::default()
+            };
+            ws.send(Message::Binary(prost::Message::encode_to_vec(&take).into()))
+                .await
+                .unwrap();
+            let answer = tokio::time::timeout(PATIENCE, ws.next()).await.unwrap();
+            assert!(matches!(answer, Some(Ok(Message::Binary(_)))), "{answer:?}");
+        }
+    });
+
+    // Envoy: four calls, one of them refused (empty domain).
+    let mut grpc = GrpcClient::connect(server.app.grpc_addr().unwrap());
+    for _ in 0..3 {
+        grpc.call(request(vec![descriptor(&[("method", "PUT")])]))
+            .unwrap();
+    }
+    let mut empty_domain = request(vec![descriptor(&[("method", "PUT")])]);
+    empty_domain.domain = String::new();
+    assert_eq!(
+        grpc.call(empty_domain).unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+
+    // The divvy count is added when a read batch is done, after its answers
+    // were written: wait for it rather than race it.
+    wait_for("every request counted", || {
+        series(&scrape(addr), "tollgate_requests_total") == counts(7.0, 3.0, 4.0)
+    });
+}
