@@ -110,6 +110,25 @@ measure() { # measure NAME STATUS_NODE PIDS...
 }
 cluster_pids() { cat "$RUN_DIR"/node*.pid; }
 
+# wait_balanced NODES: waits (up to 60 s) until NODES nodes are up and none
+# leads more than its share (SHARDS / NODES, rounded up: what the leader
+# balancer aims for), so that balancing (a handover collects and syncs the
+# shard's counters) is over before measuring: the figures are the steady
+# state's.
+wait_balanced() {
+  local nodes=$1 deadline=$((SECONDS + 60)) leads
+  local fair=$(( (SHARDS + nodes - 1) / nodes ))
+  while (( SECONDS < deadline )); do
+    leads=$("$TOLLGATE" cluster status --node "127.0.0.1:$BASE_PORT" 2>/dev/null \
+      | awk '/^[0-9]+ +up / {print $NF}' | sort -n)
+    if [[ $(wc -l <<< "$leads") -eq $nodes ]] && (( $(tail -1 <<< "$leads") <= fair )); then
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "bench.sh: leaders not balanced over $nodes nodes after 60 s (leads: $(echo $leads)); measuring anyway" >&2
+}
+
 # cluster_run NAME NODES [LOADTEST_FLAGS...]: load every node of a running
 # cluster, a share of the connections each, while measuring.
 cluster_run() {
@@ -140,6 +159,7 @@ for mode in strict fast aware; do
   consistency=$mode; flags=()
   if [[ $mode == aware ]]; then consistency=fast; flags=(--leader-aware --rules "$RULES"); fi
   CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$mode.txt"
+  wait_balanced 3
   cluster_run "$mode" 3 "${flags[@]}"
   if [[ $mode == strict ]]; then
     echo "idle three-node cluster, ${IDLE_SECONDS} s" >&2
@@ -153,7 +173,7 @@ for mode in strict fast aware; do
     echo "five nodes, strict (nodes 4 and 5 join)" >&2
     "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-4.txt"
     "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-5.txt"
-    sleep 3 # leader balancing hands the new nodes their share
+    wait_balanced 5 # leader balancing hands the new nodes their share
     cluster_run five 5
   fi
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$mode.txt" || true
@@ -183,6 +203,7 @@ kill "$single"; wait "$single" || true
 per_node=$((CONNECTIONS / 3))
 per_node_rate=$((RATE / 3))
 CONSISTENCY=strict "$ROOT/cluster/local.sh" up > /dev/null
+wait_balanced 3
 for n in 1 2 3; do
   open_load "open-strict-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" &
 done
@@ -213,6 +234,7 @@ PY
   wait || true
   rm -f "$RUN_DIR/node$victim.pid"
   "$ROOT/cluster/local.sh" start "$victim" > /dev/null
+  wait_balanced 3
 done
 "$ROOT/cluster/local.sh" down > /dev/null
 
