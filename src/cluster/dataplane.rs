@@ -23,6 +23,7 @@ use super::data_frames::{
     begin_counted, end_counted, put_decision, put_op, put_varint, tag, Ack, FrameError, OpView,
     Reader, RoundHeader,
 };
+use super::disk::NodeDisk;
 use super::forward::{ForwardWait, SlotBoard};
 pub use super::outbox::PeerOut;
 use super::placement::Placement;
@@ -101,6 +102,9 @@ pub struct DataPlane {
     pub leaders: Arc<LeaderTable>,
     pub settings: DataSettings,
     pub stats: DataStats,
+    /// The data dir, when there is one: states are written there before
+    /// they are acknowledged (see `disk/mod.rs`).
+    pub disk: Option<Arc<NodeDisk>>,
     replicas: Box<[ArcSwapOption<Replica>]>,
     outs: RwLock<HashMap<NodeId, Arc<PeerOut>>>,
     pub(super) round: Mutex<RoundBuilder>,
@@ -125,6 +129,7 @@ impl DataPlane {
         store: Arc<MemoryStore>,
         clock: Arc<dyn Clock>,
         leaders: Arc<LeaderTable>,
+        disk: Option<Arc<NodeDisk>>,
         settings: DataSettings,
     ) -> DataPlane {
         DataPlane {
@@ -138,6 +143,7 @@ impl DataPlane {
             clock,
             leaders,
             settings,
+            disk,
             stats: DataStats::default(),
             outs: RwLock::default(),
             round: Mutex::default(),
@@ -450,6 +456,10 @@ impl DataPlane {
             }
             Ok(())
         })();
+        // What this frame applied is written before any ack of it leaves.
+        if let Some(disk) = &self.disk {
+            disk.write_pending();
+        }
         if !decided.is_empty() {
             self.push_states(
                 decided
@@ -552,9 +562,12 @@ impl DataPlane {
                     &self.store,
                     header.term,
                     header.stamped_ms,
-                    states.drain(..),
+                    states.iter().copied(),
                 ) {
                     Ok(dropped) => {
+                        if let Some(disk) = &self.disk {
+                            disk.log_states(states.iter().copied());
+                        }
                         DataStats::add(&self.stats.states_applied, u64::from(header.count));
                         if dropped > 0 {
                             self.note_dropped_at_cap(header.shard, dropped);
@@ -625,6 +638,10 @@ impl DataPlane {
         )?;
         if dropped > 0 {
             self.note_dropped_at_cap(shard, dropped);
+        }
+        if let Some(disk) = &self.disk {
+            disk.log_states(counters.iter().map(|(key, state)| (key.as_slice(), *state)));
+            disk.write_pending();
         }
         DataStats::add(&self.stats.states_applied, counters.len() as u64);
         Ok(())

@@ -203,6 +203,10 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
                 for (key, state) in &counters {
                     let _ = node.dp.store.merge(key, *state, now_ms);
                 }
+                if let Some(disk) = &node.dp.disk {
+                    disk.log_states(counters.iter().map(|(k, s)| (k.as_slice(), *s)));
+                    disk.write_pending();
+                }
                 holders.push(voter);
             }
             Ok(PeerResponse::Collected(Err(ApplyRefusal::Fenced { term: newer }))) => {
