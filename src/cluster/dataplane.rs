@@ -601,14 +601,6 @@ impl DataPlane {
         }
     }
 
-    /// A new leader of `term` for `shard` collects this replica's counters:
-    /// the replica promises `term`, then answers what it holds.
-    pub fn collect(&self, shard: u32, term: u64) -> Result<CounterList, ApplyRefusal> {
-        let replica = self.replica(shard).ok_or(ApplyRefusal::NotReplica)?;
-        replica.promise(term)?;
-        Ok(self.counters_of(shard))
-    }
-
     /// The live counters of `shard` held here.
     pub fn counters_of(&self, shard: u32) -> CounterList {
         let mut counters = Vec::new();
@@ -630,6 +622,10 @@ impl DataPlane {
         counters: &CounterList,
     ) -> Result<(), ApplyRefusal> {
         let replica = self.replica(shard).ok_or(ApplyRefusal::NotReplica)?;
+        let unseen = self
+            .disk
+            .as_ref()
+            .map(|_| NodeDisk::unseen(&self.store, self.clock.now_ms(), counters));
         let dropped = replica.apply(
             &self.store,
             term,
@@ -639,8 +635,8 @@ impl DataPlane {
         if dropped > 0 {
             self.note_dropped_at_cap(shard, dropped);
         }
-        if let Some(disk) = &self.disk {
-            disk.log_states(counters.iter().map(|(key, state)| (key.as_slice(), *state)));
+        if let (Some(disk), Some(unseen)) = (&self.disk, unseen) {
+            disk.log_states(unseen.into_iter());
             disk.write_pending();
         }
         DataStats::add(&self.stats.states_applied, counters.len() as u64);

@@ -236,7 +236,7 @@ pub async fn sync_to(
         .get(peer)
         .or_else(|| node.link_to_member(peer))
         .ok_or_else(|| format!("no link to node {peer}"))?;
-    let counters = node.dp.counters_of(shard);
+    let counters = node.scans.counters_of(&node.dp, shard).await;
     let total = counters.len();
     let stamped_ms = node.dp.clock.now_ms();
     let timeout_ms = node.dp.settings.commit_timeout_ms.max(1_000) * 5;

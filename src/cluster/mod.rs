@@ -21,7 +21,8 @@
 //!   [`data_frames`] (data sections, hand-encoded), `links` (outgoing peer
 //!   connections), `peer_server` (the peer port), [`auth`] (the handshake);
 //! - the node: `node` (replicas, reports, admin), `join`, `moves` (moving
-//!   shards, spreading leaders) planned by the pure [`plan`];
+//!   shards, spreading leaders) planned by the pure [`plan`], `scan`
+//!   (batched scans of the store by shard for collections and syncs);
 //! - tools: [`status`] (topology, `cluster status`), [`admin`]
 //!   (`cluster add-node|remove-node`), [`client`] (straight to leaders).
 //!
@@ -50,6 +51,7 @@ pub mod plan;
 mod replica;
 mod replicator;
 mod rounds;
+mod scan;
 pub mod status;
 pub mod storage;
 pub mod wire;

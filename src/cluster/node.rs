@@ -16,6 +16,7 @@ use super::links::{LinkError, Links, PeerLink};
 use super::members::Members;
 use super::placement::Placement;
 use super::replica::{Recovery, Replica};
+use super::scan::ShardScans;
 use super::storage::{LogStore, ShardDisk, ShardStateMachine};
 use super::wire::{
     AdminRequest, Hello, NodeReport, NodeStats, PeerRequest, PeerResponse, ShardReport,
@@ -79,6 +80,8 @@ pub struct ClusterNode {
     persisted: Mutex<BTreeMap<u32, ShardMeta>>,
     /// Where the member list in force came from, for `cluster status`.
     members_source: Mutex<String>,
+    /// Collections and syncs share scans of the store (see `scan.rs`).
+    pub(super) scans: Arc<ShardScans>,
 }
 
 /// Settings of a node beyond its data plane.
@@ -138,6 +141,7 @@ impl ClusterNode {
             nudged: Mutex::default(),
             persisted: Mutex::new(persisted),
             members_source: Mutex::new(members_source),
+            scans: Arc::default(),
             file,
         };
         node.ensure_member_links();

@@ -18,6 +18,11 @@
 //!   the decision is refused (its count stays in this store only, which can
 //!   only under-admit). Applying a follower's states is checked the same
 //!   way. No lock is taken for this: two atomic loads per decision.
+//! - With a data dir, a promise is written there before it is given, so a
+//!   fence never goes backwards across a restart. A fence raised by
+//!   applying a round is not written: safety needs only the promises (a
+//!   majority that promised `t` refuses older terms, and any majority of
+//!   an older leader's acks would need one of them).
 
 use super::disk::meta::MetaRecord;
 use super::storage::{ShardDisk, TollgateRaft};

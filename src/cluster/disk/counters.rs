@@ -20,7 +20,7 @@
 //!   never admits more than the truth.
 
 use super::records;
-use crate::cluster::data_frames::{put_varint, Reader};
+use crate::cluster::data_frames::{put_bytes, put_state, put_varint, Reader};
 use crate::limiter::CounterState;
 use crate::store::MemoryStore;
 use std::fs::File;
@@ -77,6 +77,8 @@ pub struct CountersLoad {
     pub damage: Vec<String>,
     /// The number the next segment takes.
     pub next_seq: u64,
+    /// Bytes of the segments read (what a start replays beyond a snapshot).
+    pub segment_bytes: u64,
 }
 
 /// Lists the counter files of `dir`: (snapshots, segments), by number.
@@ -131,6 +133,12 @@ pub fn load(
             .map(|&seq| dir.join(segment_name(seq))),
     );
     for path in files {
+        if path
+            .file_name()
+            .is_some_and(|name| name.to_string_lossy().starts_with("seg-"))
+        {
+            load.segment_bytes += std::fs::metadata(&path).map_or(0, |m| m.len());
+        }
         let mut undecodable = None;
         let mut states = 0u64;
         let scan = records::scan_file(&path, |payload| {
@@ -192,10 +200,24 @@ impl Segment {
 /// Appends one record of `count` states already encoded (`states`) to
 /// `out`, framed.
 pub fn frame_states(out: &mut Vec<u8>, count: u32, states: &[u8]) {
-    let mut payload = Vec::with_capacity(states.len() + 5);
-    put_varint(&mut payload, u64::from(count));
-    payload.extend_from_slice(states);
-    records::frame(out, &payload);
+    records::frame_with(out, |out| {
+        put_varint(out, u64::from(count));
+        out.extend_from_slice(states);
+    });
+}
+
+/// Appends one record of `states` to `out`, framed, encoding them in place.
+pub fn frame_state_list<'a>(
+    out: &mut Vec<u8>,
+    states: impl ExactSizeIterator<Item = (&'a [u8], CounterState)>,
+) {
+    records::frame_with(out, |out| {
+        put_varint(out, states.len() as u64);
+        for (key, state) in states {
+            put_bytes(out, key);
+            put_state(out, &state);
+        }
+    });
 }
 
 /// Writes every live counter of `store` as snapshot `seq` of `dir` (a
@@ -214,8 +236,8 @@ pub fn snapshot(dir: &Path, seq: u64, store: &MemoryStore, now_ms: u64) -> std::
         if failed.is_some() {
             return;
         }
-        crate::cluster::data_frames::put_bytes(&mut states, key);
-        crate::cluster::data_frames::put_state(&mut states, &state);
+        put_bytes(&mut states, key);
+        put_state(&mut states, &state);
         count += 1;
         total += 1;
         if count as usize >= SNAPSHOT_STATES_PER_RECORD {
@@ -253,7 +275,6 @@ pub fn snapshot(dir: &Path, seq: u64, store: &MemoryStore, now_ms: u64) -> std::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::data_frames::{put_bytes, put_state};
 
     fn state(used: u64) -> CounterState {
         CounterState::Window {

@@ -37,6 +37,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long after start-up the node folds the files it loaded into one
+/// snapshot, in milliseconds.
+const STARTUP_SNAPSHOT_DELAY_MS: u64 = 5_000;
+
+/// A clean shutdown takes a snapshot when a start would replay more than
+/// this many bytes of counter segments.
+const CLOSE_SNAPSHOT_REPLAY_BYTES: u64 = 1 << 20;
+
 /// When the data dir's writes are synced to the disk (`--fsync`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FsyncPolicy {
@@ -137,6 +145,8 @@ pub struct NodeDisk {
     flusher: Mutex<Option<std::thread::JoinHandle<()>>>,
     pub write_errors: AtomicU64,
     pub snapshots: AtomicU64,
+    /// Counter-log bytes a start would replay beyond the newest snapshot.
+    replay_bytes: AtomicU64,
 }
 
 fn io_error(path: &Path) -> impl Fn(std::io::Error) -> DiskError + '_ {
@@ -244,6 +254,7 @@ impl NodeDisk {
             flusher: Mutex::new(None),
             write_errors: AtomicU64::new(0),
             snapshots: AtomicU64::new(0),
+            replay_bytes: AtomicU64::new(loaded.segment_bytes),
         });
         let startup = Startup {
             meta: meta_load.state,
@@ -295,15 +306,27 @@ impl NodeDisk {
     }
 
     /// Queues states this node applied (a round, a sync, a collection).
-    pub fn log_states<'a>(&self, states: impl IntoIterator<Item = (&'a [u8], CounterState)>) {
-        let mut encoded = Vec::new();
-        let mut count = 0u32;
-        for (key, state) in states {
-            super::data_frames::put_bytes(&mut encoded, key);
-            super::data_frames::put_state(&mut encoded, &state);
-            count += 1;
+    pub fn log_states<'a>(&self, states: impl ExactSizeIterator<Item = (&'a [u8], CounterState)>) {
+        if states.len() == 0 {
+            return;
         }
-        self.log_section(count, &encoded);
+        counters::frame_state_list(&mut self.writer.lock().pending, states);
+    }
+
+    /// The states of `counters` that `store` does not hold as they are.
+    /// Every state in the store was written when it entered it, so a sync
+    /// that repeats what a replica holds (a leader catching up a replica
+    /// that restarted from its data dir) writes only what is new.
+    pub fn unseen<'a>(
+        store: &MemoryStore,
+        now_ms: u64,
+        counters: &'a [(Vec<u8>, CounterState)],
+    ) -> Vec<(&'a [u8], CounterState)> {
+        counters
+            .iter()
+            .filter(|(key, state)| store.get(key, now_ms) != Some(*state))
+            .map(|(key, state)| (key.as_slice(), *state))
+            .collect()
     }
 
     /// Writes every queued state to the OS (one `write(2)`; synced too under
@@ -316,6 +339,8 @@ impl NodeDisk {
         }
         let Writer { pending, segment } = &mut *writer;
         let mut result = segment.write(pending);
+        self.replay_bytes
+            .fetch_add(pending.len() as u64, Ordering::Relaxed);
         pending.clear();
         if result.is_ok() && self.policy == FsyncPolicy::Batch {
             result = segment.file.sync_data();
@@ -365,6 +390,7 @@ impl NodeDisk {
         let counters =
             counters::snapshot(&self.counters_dir, seq, &self.store, self.clock.now_ms())?;
         self.snapshots.fetch_add(1, Ordering::Relaxed);
+        self.replay_bytes.store(0, Ordering::Relaxed);
         tracing::info!(
             dir = %self.counters_dir.display(),
             counters,
@@ -375,17 +401,21 @@ impl NodeDisk {
     }
 
     fn run_flusher(self: Arc<Self>, interval: Duration, snapshot_first: bool) {
-        let mut snapshot_due = snapshot_first;
+        // The start-up snapshot waits until the node has joined and its
+        // leaders have collected: it would compete with them for the cores.
+        let mut snapshot_at = snapshot_first
+            .then(|| Instant::now() + Duration::from_millis(STARTUP_SNAPSHOT_DELAY_MS));
         loop {
             {
                 let mut stop = self.stop.lock();
-                if !*stop && !snapshot_due {
+                if !*stop {
                     let _ = self.stopped.wait_for(&mut stop, interval);
                 }
                 if *stop {
                     return;
                 }
             }
+            let snapshot_due = snapshot_at.is_some_and(|at| Instant::now() >= at);
             if self.policy == FsyncPolicy::Interval {
                 if let Err(error) = self.sync() {
                     tracing::error!(dir = %self.dir.display(), %error, "cannot sync the data dir");
@@ -394,7 +424,7 @@ impl NodeDisk {
                 self.write_pending();
             }
             if snapshot_due || self.writer.lock().segment.bytes > counters::SEGMENT_BYTES_MAX {
-                snapshot_due = false;
+                snapshot_at = None;
                 if let Err(error) = self.rotate_and_snapshot() {
                     tracing::error!(dir = %self.counters_dir.display(), %error, "cannot write a counter snapshot");
                 }
@@ -402,12 +432,20 @@ impl NodeDisk {
         }
     }
 
-    /// A clean shutdown: writes and syncs everything, stops the flusher.
+    /// A clean shutdown: writes and syncs everything, stops the flusher,
+    /// and folds the counter log into one snapshot when a start would
+    /// otherwise replay more than [`CLOSE_SNAPSHOT_REPLAY_BYTES`] of it (so
+    /// the next start reads each live counter once).
     pub fn close(&self) {
         *self.stop.lock() = true;
         self.stopped.notify_all();
         if let Some(handle) = self.flusher.lock().take() {
             let _ = handle.join();
+        }
+        if self.replay_bytes.load(Ordering::Relaxed) > CLOSE_SNAPSHOT_REPLAY_BYTES {
+            if let Err(error) = self.rotate_and_snapshot() {
+                tracing::error!(dir = %self.counters_dir.display(), %error, "cannot write a counter snapshot");
+            }
         }
         match self.sync() {
             Ok(()) => tracing::info!(dir = %self.dir.display(), "data dir synced"),

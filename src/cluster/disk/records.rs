@@ -75,10 +75,19 @@ fn checksum(len: [u8; 4], payload: &[u8]) -> u32 {
 
 /// Appends one framed record to `out`.
 pub fn frame(out: &mut Vec<u8>, payload: &[u8]) {
-    let len = (payload.len() as u32).to_le_bytes();
-    out.extend_from_slice(&len);
-    out.extend_from_slice(&checksum(len, payload).to_le_bytes());
-    out.extend_from_slice(payload);
+    frame_with(out, |out| out.extend_from_slice(payload));
+}
+
+/// Appends one framed record to `out`, its payload written in place by
+/// `write` (no copy of the payload is made).
+pub fn frame_with(out: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) {
+    let at = out.len();
+    out.extend_from_slice(&[0; FRAME_HEADER_BYTES]);
+    write(out);
+    let len = ((out.len() - at - FRAME_HEADER_BYTES) as u32).to_le_bytes();
+    let crc = checksum(len, &out[at + FRAME_HEADER_BYTES..]).to_le_bytes();
+    out[at..at + 4].copy_from_slice(&len);
+    out[at + 4..at + FRAME_HEADER_BYTES].copy_from_slice(&crc);
 }
 
 /// Reads the records of `bytes` (a whole file), calling `visit` with each
