@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 /// How long after start-up the node folds the files it loaded into one
 /// snapshot, in milliseconds.
-const STARTUP_SNAPSHOT_DELAY_MS: u64 = 5_000;
+const STARTUP_SNAPSHOT_DELAY_MS: u64 = 10_000;
 
 /// A clean shutdown takes a snapshot when a start would replay more than
 /// this many bytes of counter segments.
@@ -262,9 +262,11 @@ impl NodeDisk {
             counters_loaded: loaded.states,
             load_ms: started.elapsed().as_millis() as u64,
         };
-        // A snapshot right after loading folds every older file (damaged
-        // ones included) into one, so the next start reads one file.
-        let snapshot_first = loaded.files > 0;
+        // A snapshot after loading folds the files read (damaged ones
+        // included) into one, so the next start reads one file; not needed
+        // when a snapshot alone was read (after a clean shutdown).
+        let snapshot_first =
+            loaded.segment_bytes > CLOSE_SNAPSHOT_REPLAY_BYTES || !loaded.damage.is_empty();
         let interval = Duration::from_millis(config.fsync_interval_ms.max(1));
         let flusher = Arc::clone(&disk);
         let handle = std::thread::Builder::new()
