@@ -159,6 +159,12 @@ pub fn load(
         })?;
         load.files += 1;
         load.states += states;
+        if scan.records == 0 && scan.end == records::End::Clean {
+            // An empty segment (a start that wrote nothing): a new one is
+            // opened after loading, so this one only adds a file per start.
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
         if let Some(why) = undecodable {
             load.damage.push(format!(
                 "{}: a record does not decode ({why}); the rest of the file is ignored",
@@ -389,5 +395,10 @@ mod tests {
         let load = super::load(dir.path(), &store, 1_000, &|_| true).unwrap();
         assert_eq!((load.files, load.states, load.next_seq), (1, 0, 2));
         assert!(load.damage.is_empty());
+        assert_eq!(
+            list(dir.path()).unwrap(),
+            (vec![], vec![]),
+            "empty files go"
+        );
     }
 }
