@@ -30,6 +30,13 @@
 #    (`tollgate-loadtest failover-probe`) hitting every shard through a
 #    surviving node measures the time from the kill until every shard
 #    answers again. FAILOVERS rounds, the killed node restarted between.
+#
+# `cluster/bench.sh persist` measures data dirs instead (docs/benchmarks.md,
+# "Data dirs"): strict three-node throughput with data dirs (each `--fsync`
+# policy of POLICIES, default `interval`) against in memory (`--data-dir
+# none`), alternating ROUNDS (2) times, then the time a full restart of
+# three nodes holding COUNTERS (1000000; 0 skips it) live counters takes to
+# serve again (`cluster/local.sh up`, until every shard is led).
 # Settings: LOADTEST, TOLLGATE (binaries), CONNECTIONS (48), PIPELINE (16),
 # DURATION (10 s), WARMUP (3 s), ACTORS (100000), SHARDS (64), FAILOVERS (3),
 # IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR.
@@ -128,6 +135,74 @@ wait_balanced() {
   done
   echo "bench.sh: leaders not balanced over $nodes nodes after 60 s (leads: $(echo $leads)); measuring anyway" >&2
 }
+
+# sum_rate NAME NODES: hits/s of NAME's generators, one per node, summed.
+sum_rate() {
+  python3 - "$OUT_DIR" "$1" "$2" <<'PY'
+import json, os, sys
+out, name, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print(int(sum(json.load(open(os.path.join(out, f"{name}-node{n}.json")))["throughput_per_sec"] for n in range(1, nodes + 1))))
+PY
+}
+
+if [[ ${1:-} == persist ]]; then
+  ROUNDS=${ROUNDS:-2}
+  POLICIES=${POLICIES:-interval}
+  COUNTERS=${COUNTERS:-1000000}
+  export CONSISTENCY=strict
+  declare -A total
+  for round in $(seq 1 "$ROUNDS"); do
+    for setup in memory $POLICIES; do
+      if [[ $setup == memory ]]; then
+        DATA_DIRS=none "$ROOT/cluster/local.sh" up > /dev/null
+      else
+        EXTRA_ARGS="--fsync $setup" "$ROOT/cluster/local.sh" up > /dev/null
+      fi
+      for n in 1 2 3; do
+        load "$setup-$round-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / 3))" &
+      done
+      wait
+      rate=$(sum_rate "$setup-$round" 3)
+      echo "round $round, $setup: $rate hits/s" | tee -a "$OUT_DIR/result.md" >&2
+      total[$setup]=$(( ${total[$setup]:-0} + rate ))
+      "$ROOT/cluster/local.sh" down > /dev/null
+      rm -rf "$RUN_DIR"
+    done
+  done
+  {
+    echo
+    echo "| setup | strict hits/s (mean of $ROUNDS) | ÷ in memory |"
+    echo "|---|---:|---:|"
+    for setup in memory $POLICIES; do
+      echo "| $setup | $(( total[$setup] / ROUNDS )) | $(python3 -c "print(f'{${total[$setup]} / ${total[memory]}:.0%}')") |"
+    done
+  } | tee -a "$OUT_DIR/result.md"
+  if (( COUNTERS > 0 )); then
+    # Fill: every actor hit a few times; then stop, and time a start.
+    "$ROOT/cluster/local.sh" up > /dev/null
+    for n in 1 2 3; do
+      ACTORS=$COUNTERS DURATION=$(( COUNTERS / 100000 + 5 )) WARMUP=0 \
+        load "fill-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / 3))" &
+    done
+    wait
+    live=$("$TOLLGATE" cluster status --json --node "127.0.0.1:$BASE_PORT" \
+      | python3 -c 'import json,sys; print(max(n.get("live_keys") or 0 for n in json.load(sys.stdin)["nodes"]))')
+    "$ROOT/cluster/local.sh" down > /dev/null
+    size=$(du -sh "$RUN_DIR/data-node1" | cut -f1)
+    started=$(date +%s.%N)
+    "$ROOT/cluster/local.sh" up > /dev/null
+    ended=$(date +%s.%N)
+    loaded=$(grep -h "data dir loaded" "$RUN_DIR/node1.log" | tail -1 | sed 's/.*INFO //')
+    "$ROOT/cluster/local.sh" down > /dev/null
+    {
+      echo
+      echo "full restart of three nodes, $live live counters each: serving after $(python3 -c "print(f'{$ended - $started:.2f}')") s"
+      echo "node 1: $loaded; data dir $size"
+    } | tee -a "$OUT_DIR/result.md"
+    rm -rf "$RUN_DIR"
+  fi
+  exit 0
+fi
 
 # cluster_run NAME NODES [LOADTEST_FLAGS...]: load every node of a running
 # cluster, a share of the connections each, while measuring.

@@ -12,13 +12,17 @@
 # BASE_PORT+N-1 and peers on BASE_PORT+1000+N-1. Logs, pids and the
 # generated cluster file live in RUN_DIR (default /tmp/tollgate-cluster-
 # $BASE_PORT), with the cluster secret, RUN_DIR/cluster.secret (mode 600,
-# generated on first use and kept). `up` and `start` return once the cluster serves (every node
+# generated on first use and kept), and each node's data dir,
+# RUN_DIR/data-nodeN (its Raft state, member list and counters): `down`
+# then `up`, or `kill N` then `start N`, resume with the counters; remove
+# RUN_DIR to start a new cluster. `up` and `start` return once the cluster serves (every node
 # up, every shard led), or fail after WAIT_SECONDS (default 30).
 #
 # Other settings: TOLLGATE (the binary; default target/release/tollgate,
 # else target/debug/tollgate, else tollgate on PATH), RULES (a rule file;
 # default: the embedded example rules), SHARDS (64), CONSISTENCY (strict or
-# fast), EXTRA_ARGS (more `tollgate serve` flags).
+# fast), EXTRA_ARGS (more `tollgate serve` flags, e.g. `--fsync batch`),
+# DATA_DIRS (`none`: no data dirs, counters in memory only).
 set -euo pipefail
 
 BASE_PORT=${BASE_PORT:-8321}
@@ -68,6 +72,9 @@ ensure_secret() {
   chmod 600 "$RUN_DIR/cluster.secret"
 }
 
+# DATA_DIRS=none runs the nodes in memory only (`--data-dir none`).
+data_dir() { if [[ ${DATA_DIRS:-} == none ]]; then echo none; else echo "$RUN_DIR/data-node$1"; fi; }
+
 start_node() {
   local n=$1 file=$RUN_DIR/cluster.ini
   if alive "$n"; then echo "node $n already runs (pid $(pid_of "$n"))"; return; fi
@@ -75,7 +82,7 @@ start_node() {
   [[ -f "$RUN_DIR/cluster-$n.ini" ]] && file=$RUN_DIR/cluster-$n.ini
   # shellcheck disable=SC2086
   nohup "$TOLLGATE" serve --cluster "$file" --node-id "$n" ${JOIN_FLAG:-} \
-    --cluster-secret-file "$RUN_DIR/cluster.secret" \
+    --cluster-secret-file "$RUN_DIR/cluster.secret" --data-dir "$(data_dir "$n")" \
     --consistency "$CONSISTENCY" ${EXTRA_ARGS:-} ${RULES:+"$RULES"} \
     >> "$RUN_DIR/node$n.log" 2>&1 &
   echo $! > "$RUN_DIR/node$n.pid"

@@ -7,6 +7,7 @@
 use crate::cluster::admin;
 use crate::cluster::auth::PeerSecrets;
 use crate::cluster::config::{parse_peer_route, NodeAddresses};
+use crate::cluster::disk::FsyncPolicy;
 use crate::cluster::status::{fetch_topology, render};
 use crate::cluster::wire::AdminRequest;
 use crate::cluster::{ClusterConfig, Consistency, NodeId};
@@ -123,6 +124,29 @@ pub struct ClusterArgs {
         hide_env_values = true
     )]
     pub cluster_secret: Option<String>,
+
+    /// Where this node keeps its Raft state, fences, member list and
+    /// counters, so that restarts keep them (created with mode 0700;
+    /// default `tollgate-data/node-<id>` under the working directory;
+    /// `none`: in memory only). See docs/cluster.md, "Data dir".
+    #[arg(long, value_name = "PATH")]
+    pub data_dir: Option<PathBuf>,
+
+    /// When the data dir's writes are synced to the disk: never (the OS
+    /// decides), interval (every --fsync-interval-ms), batch (before every
+    /// acknowledgement). Every write reaches the OS before it is
+    /// acknowledged, so a killed process loses nothing either way; this
+    /// sets what a power cut can lose (docs/cluster.md).
+    #[arg(long, value_name = "POLICY", default_value = "interval", value_parser = parse_fsync)]
+    pub fsync: FsyncPolicy,
+
+    /// `--fsync interval`: how often the data dir is synced, in milliseconds.
+    #[arg(long, default_value_t = ClusterConfig::default().fsync_interval_ms)]
+    pub fsync_interval_ms: u64,
+}
+
+fn parse_fsync(text: &str) -> Result<FsyncPolicy, String> {
+    text.parse()
 }
 
 /// No secret file and no (non-empty) secret value.
@@ -171,6 +195,9 @@ impl ClusterArgs {
             peer_routes: self.peer_routes,
             cluster_secret_file: self.cluster_secret_file,
             cluster_secret: self.cluster_secret,
+            data_dir: self.data_dir,
+            fsync: self.fsync,
+            fsync_interval_ms: self.fsync_interval_ms.max(1),
         }
     }
 }

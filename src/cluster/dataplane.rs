@@ -23,6 +23,7 @@ use super::data_frames::{
     begin_counted, end_counted, put_decision, put_op, put_varint, tag, walk_keys, Ack, FrameError,
     OpView, Reader, RoundHeader,
 };
+use super::disk::NodeDisk;
 use super::forward::{ForwardWait, SlotBoard};
 pub use super::outbox::PeerOut;
 use super::placement::Placement;
@@ -105,6 +106,9 @@ pub struct DataPlane {
     pub leaders: Arc<LeaderTable>,
     pub settings: DataSettings,
     pub stats: DataStats,
+    /// The data dir, when there is one: states are written there before
+    /// they are acknowledged (see `disk/mod.rs`).
+    pub disk: Option<Arc<NodeDisk>>,
     replicas: Box<[ArcSwapOption<Replica>]>,
     outs: RwLock<HashMap<NodeId, Arc<PeerOut>>>,
     pub(super) round: Mutex<RoundBuilder>,
@@ -129,6 +133,7 @@ impl DataPlane {
         store: Arc<MemoryStore>,
         clock: Arc<dyn Clock>,
         leaders: Arc<LeaderTable>,
+        disk: Option<Arc<NodeDisk>>,
         settings: DataSettings,
     ) -> DataPlane {
         DataPlane {
@@ -142,6 +147,7 @@ impl DataPlane {
             clock,
             leaders,
             settings,
+            disk,
             stats: DataStats::default(),
             outs: RwLock::default(),
             round: Mutex::default(),
@@ -455,6 +461,10 @@ impl DataPlane {
             }
             Ok(())
         })();
+        // What this frame applied is written before any ack of it leaves.
+        if let Some(disk) = &self.disk {
+            disk.write_pending();
+        }
         if !decided.is_empty() {
             self.push_states(
                 decided
@@ -572,9 +582,12 @@ impl DataPlane {
                     &self.store,
                     header.term,
                     header.stamped_ms,
-                    states.drain(..),
+                    states.iter().copied(),
                 ) {
                     Ok(dropped) => {
+                        if let Some(disk) = &self.disk {
+                            disk.log_states(states.iter().copied());
+                        }
                         DataStats::add(&self.stats.states_applied, u64::from(header.count));
                         if dropped > 0 {
                             self.note_dropped_at_cap(header.shard, dropped);
@@ -608,14 +621,6 @@ impl DataPlane {
         }
     }
 
-    /// A new leader of `term` for `shard` collects this replica's counters:
-    /// the replica promises `term`, then answers what it holds.
-    pub fn collect(&self, shard: u32, term: u64) -> Result<CounterList, ApplyRefusal> {
-        let replica = self.replica(shard).ok_or(ApplyRefusal::NotReplica)?;
-        replica.promise(term)?;
-        Ok(self.counters_of(shard))
-    }
-
     /// The live counters of `shard` held here.
     pub fn counters_of(&self, shard: u32) -> CounterList {
         let mut counters = Vec::new();
@@ -637,6 +642,10 @@ impl DataPlane {
         counters: &CounterList,
     ) -> Result<(), ApplyRefusal> {
         let replica = self.replica(shard).ok_or(ApplyRefusal::NotReplica)?;
+        let unseen = self
+            .disk
+            .as_ref()
+            .map(|_| NodeDisk::unseen(&self.store, self.clock.now_ms(), counters));
         let dropped = replica.apply(
             &self.store,
             term,
@@ -645,6 +654,10 @@ impl DataPlane {
         )?;
         if dropped > 0 {
             self.note_dropped_at_cap(shard, dropped);
+        }
+        if let (Some(disk), Some(unseen)) = (&self.disk, unseen) {
+            disk.log_states(unseen.into_iter());
+            disk.write_pending();
         }
         DataStats::add(&self.stats.states_applied, counters.len() as u64);
         Ok(())

@@ -9,7 +9,8 @@
 //! shard some peer has established means this node restarted and lost its
 //! in-memory Raft state (or is new to the shard): its replica joins as
 //! *recovering* (see `replica.rs`), and its leader syncs it the shard's
-//! counters when the link comes up.
+//! counters when the link comes up. A replica whose Raft state the data
+//! dir kept (`disk/`) simply resumes.
 
 use super::auth;
 use super::links::LinkError;
@@ -89,20 +90,37 @@ impl ClusterNode {
         if established || settings.join_existing {
             // The cluster runs already: its member list, not our file's, is
             // the truth (our file may list us where theirs does not yet).
+            // A list of our own that is newer (from the data dir, made
+            // while those peers were down) stays: they adopt it from us.
             if let Some(newest) = reports
                 .values()
                 .map(|report| &report.members)
                 .max_by_key(|members| (members.epoch, members.origin))
             {
-                self.set_members(newest.clone());
+                if !self.members().supersedes(newest) {
+                    self.set_members(newest.clone());
+                }
             }
         }
         *self.last_reports.lock() = reports.clone();
         let placement = self.target_placement();
         let mut initialized = 0;
         let mut recovering = 0;
-        for shard in placement.shards_of_node(self.id) {
+        let mut resumed = 0;
+        // The replicas the member list places here, and those the data dir
+        // holds (a move may have been under way when the node stopped).
+        let mut shards = placement.shards_of_node(self.id);
+        shards.extend(self.persisted_shards());
+        shards.sort_unstable();
+        shards.dedup();
+        for shard in shards {
             let replica = self.start_replica(shard).await?;
+            if self.persisted_shard(shard) {
+                // Its vote, log and fence came back from the data dir: it
+                // is the same replica as before, not one restarted empty.
+                resumed += 1;
+                continue;
+            }
             if self.enter_recovery(&replica, &reports) {
                 recovering += 1;
                 continue;
@@ -122,6 +140,7 @@ impl ClusterNode {
             members = %self.members().describe(),
             initialized,
             recovering,
+            resumed,
             "joined the cluster"
         );
         Ok(())

@@ -203,6 +203,10 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
                 for (key, state) in &counters {
                     let _ = node.dp.store.merge(key, *state, now_ms);
                 }
+                if let Some(disk) = &node.dp.disk {
+                    disk.log_states(counters.iter().map(|(k, s)| (k.as_slice(), *s)));
+                    disk.write_pending();
+                }
                 holders.push(voter);
             }
             Ok(PeerResponse::Collected(Err(ApplyRefusal::Fenced { term: newer }))) => {
@@ -232,7 +236,7 @@ pub async fn sync_to(
         .get(peer)
         .or_else(|| node.link_to_member(peer))
         .ok_or_else(|| format!("no link to node {peer}"))?;
-    let counters = node.dp.counters_of(shard);
+    let counters = node.scans.counters_of(&node.dp, shard).await;
     let total = counters.len();
     let stamped_ms = node.dp.clock.now_ms();
     let timeout_ms = node.dp.settings.commit_timeout_ms.max(1_000) * 5;

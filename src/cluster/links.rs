@@ -396,6 +396,10 @@ async fn serve_connection(
             }
         }
         let data = out.take_frame();
+        // The frame may acknowledge states: they are written out first.
+        if let (Some(_), Some(disk)) = (&data, &target.data.disk) {
+            disk.write_pending();
+        }
         if data.is_none() && beat_due && buf.is_empty() {
             buf.extend_from_slice(&PeerOut::beat_frame());
             frames += 1;

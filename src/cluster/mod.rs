@@ -15,11 +15,14 @@
 //!   forwarding), `backend` (the `Backend` and `TOPOLOGY`);
 //! - Raft for leadership and membership: [`storage`] (the groups' logs),
 //!   `leadership` (preparing leaders, elections, handovers);
+//! - the data dir: [`disk`] (Raft state, fences, members and counters on
+//!   disk, so that restarts keep them);
 //! - the wire: [`wire`] (messages), [`codec`] (control frames, bincode),
 //!   [`data_frames`] (data sections, hand-encoded), `links` (outgoing peer
 //!   connections), `peer_server` (the peer port), [`auth`] (the handshake);
 //! - the node: `node` (replicas, reports, admin), `join`, `moves` (moving
-//!   shards, spreading leaders) planned by the pure [`plan`];
+//!   shards, spreading leaders) planned by the pure [`plan`], `scan`
+//!   (batched scans of the store by shard for collections and syncs);
 //! - tools: [`status`] (topology, `cluster status`), [`admin`]
 //!   (`cluster add-node|remove-node`), [`client`] (straight to leaders).
 //!
@@ -33,6 +36,7 @@ pub mod codec;
 pub mod config;
 pub mod data_frames;
 mod dataplane;
+pub mod disk;
 mod forward;
 mod join;
 mod leadership;
@@ -47,6 +51,7 @@ pub mod plan;
 mod replica;
 mod replicator;
 mod rounds;
+mod scan;
 pub mod status;
 pub mod storage;
 pub mod wire;
@@ -135,6 +140,13 @@ pub struct ClusterConfig {
     pub cluster_secret_file: Option<PathBuf>,
     /// The cluster's shared secret(s), comma-separated (first signs).
     pub cluster_secret: Option<String>,
+    /// Where this node keeps its state (`None`: `tollgate-data/node-<id>`
+    /// under the working directory; the path `none`: in memory only).
+    pub data_dir: Option<PathBuf>,
+    /// When the data dir's writes are synced to the disk.
+    pub fsync: disk::FsyncPolicy,
+    /// `--fsync interval`: how often, in milliseconds.
+    pub fsync_interval_ms: u64,
 }
 
 /// Threads of the cluster's own runtime by default: none on a machine of at
@@ -168,6 +180,9 @@ impl Default for ClusterConfig {
             peer_routes: Vec::new(),
             cluster_secret_file: None,
             cluster_secret: None,
+            data_dir: None,
+            fsync: disk::FsyncPolicy::Interval,
+            fsync_interval_ms: 1_000,
         }
     }
 }
@@ -195,6 +210,8 @@ pub enum ClusterError {
     Secret(#[from] auth::SecretError),
     #[error("no peer accepted this node: {0}")]
     Unauthenticated(String),
+    #[error(transparent)]
+    Disk(#[from] disk::DiskError),
 }
 
 /// Who leads each shard, as far as this node knows: written by the shard
@@ -271,6 +288,8 @@ pub struct ClusterSnapshot {
 pub struct Cluster {
     node: Arc<node::ClusterNode>,
     client_addr: SocketAddr,
+    /// The data dir, synced and closed when the node stops.
+    disk: Option<Arc<disk::NodeDisk>>,
     /// Runs every shard group, link and the peer server; dropped last.
     runtime: ClusterRuntime,
 }
@@ -303,6 +322,14 @@ impl ClusterRuntime {
         match self {
             ClusterRuntime::Own(runtime) => runtime,
             ClusterRuntime::Node(host) => host.runtime(),
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(disk) = &self.disk {
+            disk.close();
         }
     }
 }
@@ -453,6 +480,19 @@ pub fn start(
         boot_id: wire::new_boot_id(),
     };
     let leaders = Arc::new(LeaderTable::new(placement.shards()));
+    let (disk, startup) = match data_dir_of(args, id) {
+        Some(dir) => {
+            let config = disk::DiskConfig {
+                dir,
+                fsync: args.fsync,
+                fsync_interval_ms: args.fsync_interval_ms,
+            };
+            let (disk, startup) =
+                disk::NodeDisk::open(&config, Arc::clone(&store), Arc::clone(&clock))?;
+            (Some(disk), Some(startup))
+        }
+        None => (None, None),
+    };
     let dp = Arc::new(dataplane::DataPlane::new(
         id,
         hello.boot_id,
@@ -460,6 +500,7 @@ pub fn start(
         store,
         clock,
         leaders,
+        disk.clone(),
         dataplane::DataSettings {
             consistency: args.consistency,
             commit_timeout_ms: args.commit_timeout_ms.max(1),
@@ -495,6 +536,7 @@ pub fn start(
                 election_timeout_ms: args.raft_election_timeout_ms.max(3),
                 shard_moves_max: args.shard_moves_max,
                 leader_balance: args.leader_balance,
+                startup,
             },
         ));
         tokio::spawn(Arc::clone(&dp).run_replicator());
@@ -517,6 +559,16 @@ pub fn start(
     Ok(Some(Cluster {
         node,
         client_addr: me.client,
+        disk,
         runtime: cluster_runtime,
     }))
+}
+
+/// The data dir `--data-dir` names for node `id` (`none`: no data dir).
+fn data_dir_of(args: &ClusterConfig, id: NodeId) -> Option<PathBuf> {
+    match args.data_dir.as_deref() {
+        Some(path) if path == std::path::Path::new("none") => None,
+        Some(path) => Some(path.to_path_buf()),
+        None => Some(PathBuf::from("tollgate-data").join(format!("node-{id}"))),
+    }
 }

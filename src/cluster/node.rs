@@ -9,12 +9,15 @@
 
 use super::config::NodeAddresses;
 use super::dataplane::DataPlane;
+use super::disk::meta::{MetaRecord, ShardMeta};
+use super::disk::Startup;
 use super::leadership;
 use super::links::{LinkError, Links, PeerLink};
 use super::members::Members;
 use super::placement::Placement;
 use super::replica::{Recovery, Replica};
-use super::storage::{LogStore, ShardStateMachine};
+use super::scan::ShardScans;
+use super::storage::{LogStore, ShardDisk, ShardStateMachine};
 use super::wire::{
     AdminRequest, Hello, NodeReport, NodeStats, PeerRequest, PeerResponse, ShardReport,
 };
@@ -72,6 +75,13 @@ pub struct ClusterNode {
     pub(super) last_balance: Mutex<Option<Instant>>,
     /// When each shard led here last sent its lagging followers heartbeats.
     pub(super) nudged: Mutex<BTreeMap<u32, Instant>>,
+    /// Each shard's Raft state and fence as the data dir held them at
+    /// start-up, taken when its replica starts.
+    persisted: Mutex<BTreeMap<u32, ShardMeta>>,
+    /// Where the member list in force came from, for `cluster status`.
+    members_source: Mutex<String>,
+    /// Collections and syncs share scans of the store (see `scan.rs`).
+    pub(super) scans: Arc<ShardScans>,
 }
 
 /// Settings of a node beyond its data plane.
@@ -79,6 +89,8 @@ pub struct NodeSettings {
     pub election_timeout_ms: u64,
     pub shard_moves_max: usize,
     pub leader_balance: bool,
+    /// What the data dir held at start-up (`None`: no data dir).
+    pub startup: Option<Startup>,
 }
 
 impl ClusterNode {
@@ -92,7 +104,20 @@ impl ClusterNode {
         settings: NodeSettings,
     ) -> ClusterNode {
         let placement = file.placement();
-        let members = Members::from_file(&file);
+        let (persisted_members, persisted) = match settings.startup {
+            Some(startup) => (startup.meta.members, startup.meta.shards),
+            None => (None, BTreeMap::new()),
+        };
+        let members_source = match (&persisted_members, &dp.disk) {
+            (Some(members), Some(disk)) => format!(
+                "the data dir ({}, epoch {}; the cluster file only seeded it)",
+                disk.meta_path().display(),
+                members.epoch
+            ),
+            (None, Some(_)) => "the cluster file (a new data dir)".to_string(),
+            (_, None) => "the cluster file (no data dir: kept in memory)".to_string(),
+        };
+        let members = persisted_members.unwrap_or_else(|| Members::from_file(&file));
         let target = Self::targets_of(&file, &members);
         let node = ClusterNode {
             target: RwLock::new(target),
@@ -114,6 +139,9 @@ impl ClusterNode {
             leader_balance: settings.leader_balance,
             last_balance: Mutex::default(),
             nudged: Mutex::default(),
+            persisted: Mutex::new(persisted),
+            members_source: Mutex::new(members_source),
+            scans: Arc::default(),
             file,
         };
         node.ensure_member_links();
@@ -132,9 +160,60 @@ impl ClusterNode {
     }
 
     pub(super) fn set_members(&self, members: Members) {
+        self.persist_members(&members);
         *self.target.write() = Self::targets_of(&self.file, &members);
         *self.members.write() = Arc::new(members);
         self.ensure_member_links();
+    }
+
+    /// Writes the member list in force to the data dir, if there is one:
+    /// restarts use it rather than the cluster file's.
+    fn persist_members(&self, members: &Members) {
+        let Some(disk) = &self.dp.disk else {
+            *self.members_source.lock() = format!(
+                "peers (epoch {}; no data dir: kept in memory)",
+                members.epoch
+            );
+            return;
+        };
+        match disk.meta_append(MetaRecord::Members(members.clone())) {
+            Ok(()) => {
+                *self.members_source.lock() = format!(
+                    "the data dir ({}, epoch {}; the cluster file only seeded it)",
+                    disk.meta_path().display(),
+                    members.epoch
+                )
+            }
+            Err(error) => tracing::error!(
+                file = %disk.meta_path().display(),
+                %error,
+                "cannot write the member list to the data dir"
+            ),
+        }
+    }
+
+    /// Where the member list in force came from.
+    pub fn members_source(&self) -> String {
+        self.members_source.lock().clone()
+    }
+
+    /// Does the data dir hold Raft state for `shard` (this node resumes its
+    /// replica rather than recovering it from peers)?
+    pub(super) fn persisted_shard(&self, shard: u32) -> bool {
+        self.persisted
+            .lock()
+            .get(&shard)
+            .is_some_and(ShardMeta::established)
+    }
+
+    /// Shards the data dir holds Raft state for.
+    pub(super) fn persisted_shards(&self) -> Vec<u32> {
+        self.persisted
+            .lock()
+            .iter()
+            .filter(|(_, meta)| meta.established())
+            .map(|(&shard, _)| shard)
+            .collect()
     }
 
     /// Where shards should live under the current member list.
@@ -236,6 +315,7 @@ impl ClusterNode {
             *held = Arc::new(members.clone());
             *self.target.write() = Self::targets_of(&self.file, members);
         }
+        self.persist_members(members);
         self.ensure_member_links();
         tracing::info!(
             node = self.id,
@@ -290,12 +370,32 @@ impl ClusterNode {
             shard,
             links: Arc::clone(&self.links),
         };
+        let (log_store, state_machine, fence) = match &self.dp.disk {
+            Some(disk) => {
+                let meta = self
+                    .persisted
+                    .lock()
+                    .get(&shard)
+                    .cloned()
+                    .unwrap_or_default();
+                let disk = ShardDisk {
+                    disk: Arc::clone(disk),
+                    shard,
+                };
+                (
+                    LogStore::persisted(disk.clone(), &meta),
+                    ShardStateMachine::persisted(disk.clone(), &meta),
+                    Some((meta.fence, disk)),
+                )
+            }
+            None => (LogStore::default(), ShardStateMachine::default(), None),
+        };
         let raft = Raft::new(
             self.id,
             Arc::clone(&self.factory.raft_config),
             network,
-            LogStore::default(),
-            ShardStateMachine::default(),
+            log_store,
+            state_machine,
         )
         .await
         .map_err(|error| ClusterError::Shard {
@@ -306,7 +406,11 @@ impl ClusterNode {
         raft.runtime_config().tick(false);
         raft.runtime_config().heartbeat(false);
         raft.runtime_config().elect(false);
-        let replica = Arc::new(Replica::new(shard, raft));
+        let replica = Replica::new(shard, raft);
+        let replica = Arc::new(match fence {
+            Some((fence, disk)) => replica.with_disk(fence, disk),
+            None => replica,
+        });
         if let Some(existing) = self.replica(shard) {
             let _ = replica.raft.shutdown().await;
             return Ok(existing);
@@ -427,6 +531,12 @@ impl ClusterNode {
             .dp
             .store
             .remove_where(|key| placement.shard_of(key) == shard);
+        self.persisted.lock().remove(&shard);
+        if let Some(disk) = &self.dp.disk {
+            if let Err(error) = disk.meta_append(MetaRecord::Retire { shard }) {
+                tracing::error!(shard, %error, "cannot record a retired replica in the data dir");
+            }
+        }
         if let Some(leader) = view.leader {
             self.leaders.set(shard, Some(leader), view.term);
         }

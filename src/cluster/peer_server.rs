@@ -227,7 +227,7 @@ async fn handle(node: &Arc<ClusterNode>, request: PeerRequest) -> PeerResponse {
             Ok(replica) => PeerResponse::Snapshot(replica.raft.install_snapshot(rpc).await),
         },
         PeerRequest::Collect { shard, term } => {
-            PeerResponse::Collected(node.dp.collect(shard, term))
+            PeerResponse::Collected(node.collect(shard, term).await)
         }
         PeerRequest::Sync {
             shard,

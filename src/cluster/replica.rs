@@ -18,8 +18,14 @@
 //!   the decision is refused (its count stays in this store only, which can
 //!   only under-admit). Applying a follower's states is checked the same
 //!   way. No lock is taken for this: two atomic loads per decision.
+//! - With a data dir, a promise is written there before it is given, so a
+//!   fence never goes backwards across a restart. A fence raised by
+//!   applying a round is not written: safety needs only the promises (a
+//!   majority that promised `t` refuses older terms, and any majority of
+//!   an older leader's acks would need one of them).
 
-use super::storage::TollgateRaft;
+use super::disk::meta::MetaRecord;
+use super::storage::{ShardDisk, TollgateRaft};
 use super::wire::{ApplyRefusal, ShardRefusal};
 use super::NodeId;
 use crate::limiter::{CounterState, Decision, WindowQuota};
@@ -127,6 +133,9 @@ pub struct Replica {
     /// When this node last sent the group's voters a Raft message as its
     /// leader (they refuse other candidates for a lease after it).
     confirmed_at: Mutex<std::time::Instant>,
+    /// The data dir, where every promise is written before it is given
+    /// (a fence must never go backwards across a restart).
+    disk: Option<ShardDisk>,
 }
 
 impl Replica {
@@ -144,7 +153,16 @@ impl Replica {
             joining: Mutex::new(None),
             kick: tokio::sync::Notify::new(),
             confirmed_at: Mutex::new(std::time::Instant::now()),
+            disk: None,
         }
+    }
+
+    /// A replica whose promises are written to `disk`, starting from the
+    /// fence it holds.
+    pub fn with_disk(mut self, fence: u64, disk: ShardDisk) -> Replica {
+        self.fence = AtomicU64::new(fence);
+        self.disk = Some(disk);
+        self
     }
 
     /// The term this node may decide for, if it leads and is prepared.
@@ -182,6 +200,22 @@ impl Replica {
         let fence = self.fence.fetch_max(term, Ordering::AcqRel);
         if fence > term {
             return Err(ApplyRefusal::Fenced { term: fence });
+        }
+        if fence < term {
+            if let Some(disk) = &self.disk {
+                if let Err(error) = disk.disk.meta_append(MetaRecord::Fence {
+                    shard: self.shard,
+                    term,
+                }) {
+                    tracing::error!(
+                        shard = self.shard,
+                        term,
+                        file = %disk.disk.meta_path().display(),
+                        %error,
+                        "cannot write a promise to the data dir; it holds in memory only"
+                    );
+                }
+            }
         }
         if self.ready_term.load(Ordering::Acquire) != term {
             self.ready_term.store(0, Ordering::Release);

@@ -140,6 +140,14 @@ impl DataPlane {
                 waiters: std::mem::take(&mut section.waiters),
             });
         }
+        // This node's own states are written before any replica can
+        // acknowledge them (the leader counts itself in the majority).
+        if let Some(disk) = &self.disk {
+            for section in &sections {
+                disk.log_section(section.count, &section.bytes);
+            }
+            disk.write_pending();
+        }
         let mut ended = Vec::new();
         let mut touched: SmallVec<[Arc<PeerOut>; 4]> = SmallVec::new();
         {

@@ -54,6 +54,10 @@ pub struct Topology {
     pub answered_by: NodeId,
     /// The member list's version (raised by every add-node/remove-node).
     pub members_epoch: u64,
+    /// Where the answering node's member list came from: its data dir, the
+    /// cluster file, or its peers.
+    #[serde(default)]
+    pub members_source: String,
     pub consistency: String,
     pub shards: u32,
     pub replicas: usize,
@@ -161,6 +165,7 @@ pub async fn gather(node: &ClusterNode) -> Topology {
     Topology {
         answered_by: node.id,
         members_epoch: members.epoch,
+        members_source: node.members_source(),
         consistency: node.hello.consistency.clone(),
         shards: node.file.shards,
         replicas: target.replicas(),
@@ -182,6 +187,9 @@ pub fn render(topology: &Topology) -> String {
         topology.answered_by,
         topology.members_epoch,
     );
+    if !topology.members_source.is_empty() {
+        let _ = writeln!(out, "members from {}", topology.members_source);
+    }
     let _ = writeln!(
         out,
         "\nNODE  STATE  CLIENT                 PEER                   LIVE_KEYS  LEADS"

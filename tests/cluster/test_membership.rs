@@ -87,27 +87,9 @@ fn a_node_joins_and_a_leading_node_leaves_under_load_with_counters_intact() {
 
     // Add node 4.
     let newcomer = cluster.start_joining_node();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tollgate::cluster::status::fetch_topology(
-        &cluster.client(newcomer).to_string(),
-        Duration::from_secs(1),
-    )
-    .is_err()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the joining node did not serve: {}",
-            cluster.log(newcomer)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    cluster.wait_serving(newcomer, Duration::from_secs(20));
     let errors_before_add = seen.lock().unwrap().errors.len();
-    let client4 = cluster.client(newcomer).to_string();
-    let peer4 = cluster.nodes[3].peer.to_string();
-    let (ok, text) = cluster.admin(
-        1,
-        &["add-node", "4", "--client", &client4, "--peer", &peer4],
-    );
+    let (ok, text) = cluster.add_node(1, newcomer);
     assert!(ok, "add-node failed: {text}");
     assert!(
         text.contains("node 4 added: members 1,2,3,4 (epoch 1)"),

@@ -114,20 +114,7 @@ fn no_errors_while_a_node_joins_and_another_leaves_under_load_on_every_node() {
     // Node 4 joins; clients use it as soon as it serves (before any shard
     // moved to it, and while its new replicas catch up).
     let newcomer = cluster.start_joining_node();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tollgate::cluster::status::fetch_topology(
-        &cluster.client(newcomer).to_string(),
-        Duration::from_secs(1),
-    )
-    .is_err()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "node 4 did not serve: {}",
-            cluster.log(newcomer)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    cluster.wait_serving(newcomer, Duration::from_secs(20));
     threads.push(spawn_load(
         newcomer,
         cluster.client(newcomer),
@@ -137,12 +124,7 @@ fn no_errors_while_a_node_joins_and_another_leaves_under_load_on_every_node() {
         &seen,
     ));
     std::thread::sleep(Duration::from_millis(300));
-    let client4 = cluster.client(newcomer).to_string();
-    let peer4 = cluster.nodes[3].peer.to_string();
-    let (ok, text) = cluster.admin(
-        1,
-        &["add-node", "4", "--client", &client4, "--peer", &peer4],
-    );
+    let (ok, text) = cluster.add_node(1, newcomer);
     assert!(ok, "add-node failed: {text}");
     let topology = cluster.wait_settled(2, &[1, 2, 3, 4], Duration::from_secs(90));
     let on_new = topology

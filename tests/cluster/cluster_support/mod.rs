@@ -261,6 +261,30 @@ impl TestCluster {
         cluster
     }
 
+    /// Node `id`'s data dir (`--data-dir`), kept across its restarts.
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("data-node-{id}"))
+    }
+
+    /// Starts node `id` (again) with its original cluster file, as a node
+    /// that was added with `start_joining_node` is restarted: without
+    /// `--join`, from its data dir.
+    pub fn spawn_member(&mut self, id: u64) {
+        let joined_file = self.dir.path().join(format!("cluster-{id}.ini"));
+        if joined_file.exists() {
+            let original = std::mem::replace(&mut self.cluster_path, joined_file);
+            self.spawn(id, None);
+            self.cluster_path = original;
+        } else {
+            self.spawn(id, None);
+        }
+    }
+
+    /// Whether node `id`'s process is running (as far as the harness knows).
+    pub fn running(&self, id: u64) -> bool {
+        self.nodes[(id - 1) as usize].child.is_some()
+    }
+
     fn node(&mut self, id: u64) -> &mut Node {
         &mut self.nodes[(id - 1) as usize]
     }
@@ -307,6 +331,10 @@ impl TestCluster {
                 "--metrics-path".to_string(),
                 "/metrics".to_string(),
             ]);
+        }
+        if !args.iter().any(|a| a == "--data-dir") {
+            args.push("--data-dir".to_string());
+            args.push(self.data_dir(id).display().to_string());
         }
         let node = self.node(id);
         node.restarts += 1;
@@ -363,6 +391,8 @@ impl TestCluster {
             .arg("--cluster-secret-file")
             .arg(&self.secret_path)
             .env_remove("TOLLGATE_CLUSTER_SECRET")
+            .arg("--data-dir")
+            .arg(self.data_dir(id))
             .args(&self.args)
             .arg(&self.rules_path)
             .stdout(log.try_clone().unwrap())
@@ -371,6 +401,38 @@ impl TestCluster {
             .expect("spawn tollgate");
         self.node(id).child = Some(child);
         id
+    }
+
+    /// Waits until node `id` answers `TOPOLOGY` on its client port (a
+    /// joining node does once it has joined).
+    pub fn wait_serving(&self, id: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while fetch_topology(&self.client(id).to_string(), Duration::from_secs(1)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "node {id} did not serve within {timeout:?}: {}",
+                self.log(id)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `tollgate cluster add-node` of node `id` (started with
+    /// [`TestCluster::start_joining_node`]), asked of node `via`.
+    pub fn add_node(&self, via: u64, id: u64) -> (bool, String) {
+        let client = self.client(id).to_string();
+        let peer = self.nodes[(id - 1) as usize].peer.to_string();
+        self.admin(
+            via,
+            &[
+                "add-node",
+                &id.to_string(),
+                "--client",
+                &client,
+                "--peer",
+                &peer,
+            ],
+        )
     }
 
     /// Runs `tollgate cluster <command> …` against node `via`'s peer port;
