@@ -282,6 +282,25 @@ pub struct ClusterSnapshot {
     pub shards_led: u64,
     /// Shards no hit could be decided for from this node now.
     pub shards_unservable: u64,
+    /// Every shard this node holds a replica of, by shard.
+    pub shards: Vec<ShardSnapshot>,
+}
+
+/// One shard's replica on this node, for the per-shard series.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSnapshot {
+    pub shard: u32,
+    /// This node leads the shard and decides its hits.
+    pub leading: bool,
+    /// The highest term this replica promised or applied states from.
+    pub term: u64,
+    /// As its leader: round sections sent, and the states they carried.
+    pub sections_sent: u64,
+    pub states_sent: u64,
+    /// As its leader: sections sent and not yet committed or failed.
+    pub sections_in_flight: u64,
+    /// A move of the shard (led here) is under way.
+    pub moving: bool,
 }
 
 /// A running cluster member: its runtime and node.
@@ -383,6 +402,24 @@ impl Cluster {
                 .filter(|&s| dp.replica(s).is_some_and(|r| r.ready_term().is_some()))
                 .count() as u64,
             shards_unservable: dp.unservable_shards().len() as u64,
+            shards: (0..dp.placement.shards())
+                .filter_map(|shard| {
+                    let replica = dp.replica(shard)?;
+                    let stats = &replica.stats;
+                    let sent = stats.sections_sent.load(Ordering::Relaxed);
+                    let moving = replica.moving.lock().is_some();
+                    Some(ShardSnapshot {
+                        shard,
+                        leading: replica.ready_term().is_some(),
+                        term: replica.fence(),
+                        sections_sent: sent,
+                        states_sent: stats.states_sent.load(Ordering::Relaxed),
+                        sections_in_flight: sent
+                            .saturating_sub(stats.sections_ended.load(Ordering::Relaxed)),
+                        moving,
+                    })
+                })
+                .collect(),
         }
     }
 

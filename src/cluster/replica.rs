@@ -136,6 +136,21 @@ pub struct Replica {
     /// The data dir, where every promise is written before it is given
     /// (a fence must never go backwards across a restart).
     disk: Option<ShardDisk>,
+    /// What this node replicated for the shard as its leader (`/metrics`).
+    pub stats: ShardStats,
+}
+
+/// One shard's replication counters on its leader, for the per-shard
+/// series on `/metrics`.
+#[derive(Debug, Default)]
+pub struct ShardStats {
+    /// Round sections sent (one per round the shard had states in).
+    pub sections_sent: AtomicU64,
+    /// Counter states those sections carried.
+    pub states_sent: AtomicU64,
+    /// Sections that ended: committed, or failed (superseded, unreachable
+    /// replicas, timed out). Sent minus ended is what awaits its commit.
+    pub sections_ended: AtomicU64,
 }
 
 impl Replica {
@@ -154,6 +169,7 @@ impl Replica {
             kick: tokio::sync::Notify::new(),
             confirmed_at: Mutex::new(std::time::Instant::now()),
             disk: None,
+            stats: ShardStats::default(),
         }
     }
 

@@ -31,6 +31,9 @@ impl DataPlane {
         let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
         let mut local: Vec<BoardAnswers> = Vec::new();
         for section in ended {
+            if let Some(replica) = self.replica(section.shard) {
+                DataStats::add(&replica.stats.sections_ended, 1);
+            }
             match &section.end {
                 SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
                 end => {
@@ -123,7 +126,11 @@ impl DataPlane {
         for section in &mut sections {
             states += u64::from(section.count);
             let config = match self.replica(section.shard) {
-                Some(replica) => replica.config(),
+                Some(replica) => {
+                    DataStats::add(&replica.stats.sections_sent, 1);
+                    DataStats::add(&replica.stats.states_sent, u64::from(section.count));
+                    replica.config()
+                }
                 None => Arc::default(),
             };
             let sent_to: SmallVec<[NodeId; 4]> = config

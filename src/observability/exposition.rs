@@ -10,7 +10,7 @@
 //! codes, the backend's name, the drop reason and the version.
 
 use super::health::Readiness;
-use crate::cluster::ClusterSnapshot;
+use crate::cluster::{ClusterSnapshot, ShardSnapshot};
 use crate::droplet::Buckets;
 use crate::engine::Engine;
 use crate::metrics::{
@@ -322,7 +322,78 @@ cluster_family!(
 cluster_family!(CLUSTER_SHARDS_UNSERVABLE, "tollgate_cluster_shards_unservable", MetricType::GAUGE,
     "Shards a hit sent to this node could not be decided for now (no leader, or the leader unreachable).");
 
-const FAMILIES: [&Family; 34] = [
+/// A family with one series per shard this node holds a replica of.
+macro_rules! shard_family {
+    ($id:ident, $name:literal, $kind:expr, $help:literal) => {
+        const $id: Family = Family {
+            name: $name,
+            help: $help,
+            kind: $kind,
+            labels: &["shard"],
+        };
+    };
+}
+shard_family!(
+    SHARD_LEADER,
+    "tollgate_cluster_shard_leader",
+    MetricType::GAUGE,
+    "1 while this node leads the shard and decides its hits, 0 while it is a follower."
+);
+shard_family!(
+    SHARD_TERM,
+    "tollgate_cluster_shard_term",
+    MetricType::GAUGE,
+    "The highest term this replica promised or applied states from."
+);
+shard_family!(SHARD_SECTIONS, "tollgate_cluster_shard_round_sections_total", MetricType::COUNTER,
+    "Round sections this node sent for the shard as its leader (one per round with states of the shard).");
+shard_family!(SHARD_STATES, "tollgate_cluster_shard_states_replicated_total", MetricType::COUNTER,
+    "Counter states those sections carried: states divided by sections is hits per replication entry.");
+shard_family!(SHARD_IN_FLIGHT, "tollgate_cluster_shard_sections_in_flight", MetricType::GAUGE,
+    "Sections this node sent for the shard as its leader that are not yet committed or failed (the commit lag).");
+shard_family!(
+    SHARD_MOVING,
+    "tollgate_cluster_shard_moving",
+    MetricType::GAUGE,
+    "1 while a move of the shard (led here) is under way."
+);
+
+/// The per-shard families and each one's value for a shard.
+type ShardValue = fn(&ShardSnapshot) -> f64;
+const SHARD_FAMILIES: [(&Family, ShardValue); 6] = [
+    (&SHARD_LEADER, |s| f64::from(u8::from(s.leading))),
+    (&SHARD_TERM, |s| s.term as f64),
+    (&SHARD_SECTIONS, |s| s.sections_sent as f64),
+    (&SHARD_STATES, |s| s.states_sent as f64),
+    (&SHARD_IN_FLIGHT, |s| s.sections_in_flight as f64),
+    (&SHARD_MOVING, |s| f64::from(u8::from(s.moving))),
+];
+
+/// One family per per-shard measure, one series per shard held here.
+fn shard_families(shards: &[ShardSnapshot]) -> impl Iterator<Item = MetricFamily> + '_ {
+    SHARD_FAMILIES.iter().map(move |&(of, value)| {
+        let samples = shards
+            .iter()
+            .map(|shard| {
+                let label = shard.shard.to_string();
+                if of.kind == MetricType::COUNTER {
+                    counter(of, &[&label], value(shard) as u64)
+                } else {
+                    gauge(of, &[&label], value(shard))
+                }
+            })
+            .collect();
+        family(of, samples)
+    })
+}
+
+const FAMILIES: [&Family; 40] = [
+    &SHARD_LEADER,
+    &SHARD_TERM,
+    &SHARD_SECTIONS,
+    &SHARD_STATES,
+    &SHARD_IN_FLIGHT,
+    &SHARD_MOVING,
     &CLUSTER_ROUNDS,
     &CLUSTER_ROUND_SECTIONS,
     &CLUSTER_STATES_REPLICATED,
@@ -462,6 +533,7 @@ impl Collector for ServerCollector {
                 &CLUSTER_SHARDS_UNSERVABLE,
                 snapshot.shards_unservable as f64,
             ));
+            out.extend(shard_families(&snapshot.shards));
         }
         out
     }

@@ -177,3 +177,76 @@ fn membership_commands_take_a_client_address_and_status_names_its_port() {
         "{joining}"
     );
 }
+
+/// Every `shard="N"` sample of `family` at `addr`'s `/metrics`, by shard.
+fn shard_series(addr: std::net::SocketAddr, family: &str) -> std::collections::BTreeMap<u32, f64> {
+    let (_, body) = http_get(addr, "/metrics").expect("/metrics answers");
+    let prefix = format!("{family}{{shard=\"");
+    body.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(&prefix)?;
+            let (shard, value) = rest.split_once("\"} ")?;
+            Some((shard.parse().ok()?, value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn per_shard_series_show_leaders_terms_replication_and_no_lag() {
+    const SHARDS: u32 = 8;
+    let cluster = TestCluster::start_observed(3, SHARDS, &[], false);
+    cluster.wait_leaders_stable(Duration::from_secs(1), Duration::from_secs(30));
+    // Distinct actors, one hit each: every admitted hit is one state in one
+    // round section of its shard's leader (strict mode answers after the
+    // commit, so nothing is in flight once every answer is in).
+    let hits = 300;
+    let lines: Vec<String> = (0..hits)
+        .map(|i| format!("HIT path=/big user=series{i}"))
+        .collect();
+    let answers = converse(cluster.client(1), &lines);
+    assert_eq!(answers.len(), hits);
+    assert!(
+        answers.iter().all(|a| a.starts_with("OK true ")),
+        "{answers:?}"
+    );
+
+    let mut leaders = vec![0.0; SHARDS as usize];
+    let (mut states, mut sections) = (0.0, 0.0);
+    for id in 1..=3 {
+        let addr = cluster.metrics_addr(id);
+        let leader = shard_series(addr, "tollgate_cluster_shard_leader");
+        // Three replicas on three nodes: every node holds every shard.
+        assert_eq!(leader.len(), SHARDS as usize, "node {id}: {leader:?}");
+        for (shard, value) in &leader {
+            assert!(
+                *value == 0.0 || *value == 1.0,
+                "node {id} shard {shard}: {value}"
+            );
+            leaders[*shard as usize] += value;
+        }
+        let terms = shard_series(addr, "tollgate_cluster_shard_term");
+        assert!(terms.values().all(|&t| t >= 1.0), "node {id}: {terms:?}");
+        let in_flight = shard_series(addr, "tollgate_cluster_shard_sections_in_flight");
+        assert!(
+            in_flight.values().all(|&n| n == 0.0),
+            "node {id}: {in_flight:?}"
+        );
+        let moving = shard_series(addr, "tollgate_cluster_shard_moving");
+        assert!(moving.values().all(|&n| n == 0.0), "node {id}: {moving:?}");
+        states += shard_series(addr, "tollgate_cluster_shard_states_replicated_total")
+            .values()
+            .sum::<f64>();
+        sections += shard_series(addr, "tollgate_cluster_shard_round_sections_total")
+            .values()
+            .sum::<f64>();
+    }
+    assert!(
+        leaders.iter().all(|&n| n == 1.0),
+        "leaders per shard: {leaders:?}"
+    );
+    assert_eq!(states, hits as f64, "one replicated state per admitted hit");
+    assert!(
+        sections >= 1.0 && sections <= states,
+        "{sections} sections for {states} states"
+    );
+}
