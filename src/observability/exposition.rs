@@ -223,13 +223,17 @@ fn cluster_counters(snapshot: &ClusterSnapshot) -> [(&'static Family, u64); 14] 
     ]
 }
 
+/// A cluster family, unlabelled or with the labels given last.
 macro_rules! cluster_family {
     ($id:ident, $name:literal, $kind:expr, $help:literal) => {
+        cluster_family!($id, $name, $kind, $help, []);
+    };
+    ($id:ident, $name:literal, $kind:expr, $help:literal, [$($label:literal),*]) => {
         const $id: Family = Family {
             name: $name,
             help: $help,
             kind: $kind,
-            labels: &[],
+            labels: &[$($label),*],
         };
     };
 }
@@ -322,40 +326,33 @@ cluster_family!(
 cluster_family!(CLUSTER_SHARDS_UNSERVABLE, "tollgate_cluster_shards_unservable", MetricType::GAUGE,
     "Shards a hit sent to this node could not be decided for now (no leader, or the leader unreachable).");
 
-/// A family with one series per shard this node holds a replica of.
-macro_rules! shard_family {
-    ($id:ident, $name:literal, $kind:expr, $help:literal) => {
-        const $id: Family = Family {
-            name: $name,
-            help: $help,
-            kind: $kind,
-            labels: &["shard"],
-        };
-    };
-}
-shard_family!(
+// Families with one series per shard this node holds a replica of.
+cluster_family!(
     SHARD_LEADER,
     "tollgate_cluster_shard_leader",
     MetricType::GAUGE,
-    "1 while this node leads the shard and decides its hits, 0 while it is a follower."
+    "1 while this node leads the shard and decides its hits, 0 while it is a follower.",
+    ["shard"]
 );
-shard_family!(
+cluster_family!(
     SHARD_TERM,
     "tollgate_cluster_shard_term",
     MetricType::GAUGE,
-    "The highest term this replica promised or applied states from."
+    "The highest term this replica promised or applied states from.",
+    ["shard"]
 );
-shard_family!(SHARD_SECTIONS, "tollgate_cluster_shard_round_sections_total", MetricType::COUNTER,
-    "Round sections this node sent for the shard as its leader (one per round with states of the shard).");
-shard_family!(SHARD_STATES, "tollgate_cluster_shard_states_replicated_total", MetricType::COUNTER,
-    "Counter states those sections carried: states divided by sections is hits per replication entry.");
-shard_family!(SHARD_IN_FLIGHT, "tollgate_cluster_shard_sections_in_flight", MetricType::GAUGE,
-    "Sections this node sent for the shard as its leader that are not yet committed or failed (the commit lag).");
-shard_family!(
+cluster_family!(SHARD_SECTIONS, "tollgate_cluster_shard_round_sections_total", MetricType::COUNTER,
+    "Round sections this node sent for the shard as its leader (one per round with states of the shard).", ["shard"]);
+cluster_family!(SHARD_STATES, "tollgate_cluster_shard_states_replicated_total", MetricType::COUNTER,
+    "Counter states those sections carried: states divided by sections is hits per replication entry.", ["shard"]);
+cluster_family!(SHARD_IN_FLIGHT, "tollgate_cluster_shard_sections_in_flight", MetricType::GAUGE,
+    "Sections this node sent for the shard as its leader that are not yet committed or failed (the commit lag).", ["shard"]);
+cluster_family!(
     SHARD_MOVING,
     "tollgate_cluster_shard_moving",
     MetricType::GAUGE,
-    "1 while a move of the shard (led here) is under way."
+    "1 while a move of the shard (led here) is under way.",
+    ["shard"]
 );
 
 /// The per-shard families and each one's value for a shard.
