@@ -493,12 +493,19 @@ impl DataPlane {
     /// frame without acting on it; a malformed frame only ends the look-ahead
     /// (handling it reports the error).
     fn prefetch_frame(&self, body: &[u8]) {
-        let mut keys = 0usize;
+        // Two passes: every key's stripe line first (an address computed
+        // from the hash alone, so no pass waits), then every key's slot,
+        // whose address is read from the stripe line fetched meanwhile.
+        let mut hashes: SmallVec<[u64; 64]> = SmallVec::new();
         let _ = walk_keys(body, |key| {
-            self.store.prefetch(key);
-            keys += 1;
-            keys < FRAME_PREFETCH_KEYS_MAX
+            let hash = self.store.key_hash(key);
+            self.store.prefetch_stripe(hash);
+            hashes.push(hash);
+            hashes.len() < FRAME_PREFETCH_KEYS_MAX
         });
+        for &hash in &hashes {
+            self.store.prefetch_slot(hash);
+        }
     }
 
     /// Decides a hit `from` forwarded, as the shard's leader: the answer

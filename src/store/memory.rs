@@ -681,12 +681,35 @@ impl<S: StoredState> StripedStore<S> {
 
     #[inline(always)]
     fn prefetch_probe(&self, probe: &Probe<'_>) {
-        let cell = self.stripe_of(probe.hash);
-        prefetch_line(cell);
+        self.prefetch_stripe(probe.hash);
+        self.prefetch_slot(probe.hash);
+    }
+
+    /// The hash a lookup of `key` uses, for [`StripedStore::prefetch_stripe`]
+    /// and [`StripedStore::prefetch_slot`].
+    #[inline(always)]
+    pub fn key_hash(&self, key: &[u8]) -> u64 {
+        self.probe(KeyBytes::Whole(key)).hash
+    }
+
+    /// The first half of a prefetch in two passes: the stripe's lock line,
+    /// which also holds where its slots are. Computing the address reads
+    /// nothing, so a batch can issue this for every key without waiting.
+    #[inline(always)]
+    pub fn prefetch_stripe(&self, hash: u64) {
+        prefetch_line(self.stripe_of(hash));
+    }
+
+    /// The second half: the key's first slot, whose address is read from the
+    /// stripe's line (cached by then if [`StripedStore::prefetch_stripe`] ran
+    /// for it a little earlier).
+    #[inline(always)]
+    pub fn prefetch_slot(&self, hash: u64) {
+        let cell = self.stripe_of(hash);
         let base = cell.slots_hint.load(Ordering::Relaxed);
         if !base.is_null() {
             let mask = cell.mask_hint.load(Ordering::Relaxed);
-            let offset = (probe.hash as usize & mask) * std::mem::size_of::<Slot<S::Packed>>();
+            let offset = (hash as usize & mask) * std::mem::size_of::<Slot<S::Packed>>();
             prefetch_line(base.wrapping_add(offset));
         }
     }
