@@ -165,13 +165,7 @@ pub fn missing_secret(joining: bool) -> anyhow::Error {
              TOLLGATE_CLUSTER_SECRET); a newly made secret would fail authentication"
         );
     }
-    anyhow::anyhow!(
-        "cluster mode needs the cluster's shared secret, the same on every node: give \
-         --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET). For a \
-         new cluster make one with `head -c 32 /dev/urandom | base64 > \
-         /etc/tollgate/cluster.secret && chmod 600 /etc/tollgate/cluster.secret` and copy \
-         it to every node"
-    )
+    anyhow::Error::new(crate::cluster::auth::SecretError::Missing)
 }
 
 impl ClusterArgs {

@@ -82,9 +82,11 @@ pub struct PeerSecrets {
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
     #[error(
-        "cluster mode needs a shared secret, the same on every node: give --cluster-secret-file PATH \
-         (or --cluster-secret / TOLLGATE_CLUSTER_SECRET). Make one with: \
-         head -c 32 /dev/urandom | base64 > /etc/tollgate/cluster.secret && chmod 600 /etc/tollgate/cluster.secret"
+        "cluster mode needs the cluster's shared secret, the same on every node: give \
+         --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET). For a \
+         new cluster make one with `head -c 32 /dev/urandom | base64 > \
+         /etc/tollgate/cluster.secret && chmod 600 /etc/tollgate/cluster.secret` and copy \
+         it to every node"
     )]
     Missing,
     #[error(
