@@ -22,13 +22,19 @@
 //! is reached and no expired entry can be reclaimed in the key's stripe, the
 //! update is refused with [`StoreFull`] and nothing is stored.
 //!
+//! Beside this file: [`SlotTable`] (`table.rs`), the key's layout and
+//! short-key hash (`key.rs`), and a counter state's packed form
+//! (`packed.rs`).
+//!
 //! The store is generic over what it keeps ([`StoredState`]: anything that
 //! knows when it expires): rule counters ([`MemoryStore`], the
 //! [`CounterState`] store) and droplet's buckets share the same stripes,
 //! sweeper and cap.
 
+use super::key::{folded_multiply, KeyBytes, HEAD_SEEDS};
+pub use super::packed::PackedCounter;
 use super::table::{prefetch_line, SlotTable, TableSlot};
-use crate::limiter::{CounterState, FullAt};
+use crate::limiter::CounterState;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -80,87 +86,6 @@ pub trait StoredState: Copy + Send + 'static {
 
     /// The inverse of [`StoredState::pack`].
     fn unpack(packed: Self::Packed) -> Self;
-}
-
-/// Bits of a packed counter: a 2-bit variant tag, an instant in milliseconds
-/// since the epoch (42 bits: until the year 2109) and one or two counts.
-const PACK_MS_BITS: u32 = 42;
-const PACK_COUNT_BITS: u32 = 20;
-const PACK_HALF_COUNT_BITS: u32 = PACK_COUNT_BITS / 2;
-const PACK_TAG_SHIFT: u32 = 62;
-const PACK_WINDOW: u64 = 1;
-const PACK_TOKEN_BUCKET: u64 = 2;
-const PACK_SLIDING_WINDOW: u64 = 3;
-
-/// A [`CounterState`] in 8 bytes; the 0 value (never produced by `pack`) is
-/// only a placeholder in spilled slots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PackedCounter(u64);
-
-impl StoredState for CounterState {
-    type Packed = PackedCounter;
-
-    fn expires_at_ms(&self) -> u64 {
-        CounterState::expires_at_ms(self)
-    }
-
-    fn pack(&self) -> Option<PackedCounter> {
-        let fits = |ms: u64, counts: &[(u64, u32)]| {
-            ms < 1 << PACK_MS_BITS && counts.iter().all(|&(n, bits)| n < 1 << bits)
-        };
-        let packed = match *self {
-            CounterState::Window { end_ms, used } => {
-                if !fits(end_ms, &[(used, PACK_COUNT_BITS)]) {
-                    return None;
-                }
-                PACK_WINDOW << PACK_TAG_SHIFT | end_ms << PACK_COUNT_BITS | used
-            }
-            CounterState::TokenBucket { full_at } => {
-                let (ms, remainder) = full_at.to_parts();
-                if !fits(ms, &[(remainder, PACK_COUNT_BITS)]) {
-                    return None;
-                }
-                PACK_TOKEN_BUCKET << PACK_TAG_SHIFT | ms << PACK_COUNT_BITS | remainder
-            }
-            CounterState::SlidingWindow {
-                expires_at_ms,
-                current,
-                previous,
-            } => {
-                let half = PACK_HALF_COUNT_BITS;
-                if !fits(expires_at_ms, &[(current, half), (previous, half)]) {
-                    return None;
-                }
-                PACK_SLIDING_WINDOW << PACK_TAG_SHIFT
-                    | expires_at_ms << PACK_COUNT_BITS
-                    | current << half
-                    | previous
-            }
-        };
-        Some(PackedCounter(packed))
-    }
-
-    fn unpack(packed: PackedCounter) -> CounterState {
-        let bits = packed.0;
-        let ms = (bits >> PACK_COUNT_BITS) & ((1 << PACK_MS_BITS) - 1);
-        let count = bits & ((1 << PACK_COUNT_BITS) - 1);
-        let half_mask = (1 << PACK_HALF_COUNT_BITS) - 1;
-        match bits >> PACK_TAG_SHIFT {
-            PACK_TOKEN_BUCKET => CounterState::TokenBucket {
-                full_at: FullAt::from_parts(ms, count),
-            },
-            PACK_SLIDING_WINDOW => CounterState::SlidingWindow {
-                expires_at_ms: ms,
-                current: (count >> PACK_HALF_COUNT_BITS) & half_mask,
-                previous: count & half_mask,
-            },
-            // PACK_WINDOW, and the placeholder (an expired empty window).
-            _ => CounterState::Window {
-                end_ms: ms,
-                used: count,
-            },
-        }
-    }
 }
 
 /// One slot of a stripe's table: 32 bytes (for an 8-byte packed state),
@@ -241,112 +166,6 @@ impl<P: Copy + Default> TableSlot for Slot<P> {
         self.head[0] == EMPTY
     }
 }
-
-/// `s[start..start + n]` (`n` at most 8) as a little-endian word, zero
-/// extended, read with at most two loads and no copy.
-#[inline(always)]
-fn load_le(s: &[u8], start: usize, n: usize) -> u64 {
-    if n == 0 {
-        return 0;
-    }
-    let b = &s[start..start + n];
-    let u32_at = |i: usize| u64::from(u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]));
-    match n {
-        8.. => {
-            let mut bytes = [0u8; 8];
-            bytes.copy_from_slice(&b[..8]);
-            u64::from_le_bytes(bytes)
-        }
-        // Two overlapping loads: the bytes both cover land on the same bits.
-        4..=7 => u32_at(0) | u32_at(n - 4) << (8 * (n - 4)),
-        _ => {
-            u64::from(b[0])
-                | u64::from(b[n / 2]) << (8 * (n / 2))
-                | u64::from(b[n - 1]) << (8 * (n - 1))
-        }
-    }
-}
-
-/// A key's bytes: whole, or an 8-byte prefix (little endian: a rule's
-/// identity) followed by the rest (an actor).
-#[derive(Clone, Copy)]
-enum KeyBytes<'k> {
-    Whole(&'k [u8]),
-    Prefixed(u64, &'k [u8]),
-}
-
-impl KeyBytes<'_> {
-    fn len(self) -> usize {
-        match self {
-            KeyBytes::Whole(key) => key.len(),
-            KeyBytes::Prefixed(_, rest) => 8 + rest.len(),
-        }
-    }
-
-    fn eq_bytes(self, other: &[u8]) -> bool {
-        match self {
-            KeyBytes::Whole(key) => key == other,
-            KeyBytes::Prefixed(prefix, rest) => {
-                other.len() == 8 + rest.len()
-                    && other[..8] == prefix.to_le_bytes()
-                    && other[8..] == *rest
-            }
-        }
-    }
-
-    fn to_boxed(self) -> Box<[u8]> {
-        match self {
-            KeyBytes::Whole(key) => key.into(),
-            KeyBytes::Prefixed(prefix, rest) => {
-                let mut key = Vec::with_capacity(8 + rest.len());
-                key.extend_from_slice(&prefix.to_le_bytes());
-                key.extend_from_slice(rest);
-                key.into()
-            }
-        }
-    }
-
-    /// The head of the slot that holds this key inline, as three words:
-    /// the length byte, then the key's bytes, zero padded; `None` for a key
-    /// longer than [`INLINE_KEY_BYTES_MAX`].
-    #[inline(always)]
-    fn head(self) -> Option<[u64; 3]> {
-        let len = self.len();
-        if len > INLINE_KEY_BYTES_MAX {
-            return None;
-        }
-        Some(match self {
-            KeyBytes::Whole(key) => [
-                len as u64 | load_le(key, 0, len.min(7)) << 8,
-                load_le(key, 7, len.saturating_sub(7).min(8)),
-                load_le(key, 15, len.saturating_sub(15)),
-            ],
-            KeyBytes::Prefixed(prefix, rest) => {
-                let n = rest.len();
-                [
-                    len as u64 | prefix << 8,
-                    prefix >> 56 | load_le(rest, 0, n.min(7)) << 8,
-                    load_le(rest, 7, n.saturating_sub(7)),
-                ]
-            }
-        })
-    }
-}
-
-/// `a * b` as 128 bits, both halves folded into one word.
-#[inline(always)]
-fn folded_multiply(a: u64, b: u64) -> u64 {
-    let product = u128::from(a) * u128::from(b);
-    (product as u64) ^ (product >> 64) as u64
-}
-
-/// Seeds of the short-key hash (fixed, as the long-key hasher's are).
-const HEAD_SEEDS: [u64; 4] = [
-    0x243f_6a88_85a3_08d3,
-    0x1319_8a2e_0370_7344,
-    0xa409_3822_299f_31d0,
-    0x082e_fa98_ec4e_6c89,
-];
 
 /// A key as a lookup compares it: hashed once, and when short, laid out as
 /// a slot's head.
@@ -993,7 +812,9 @@ impl StripedStore<CounterState> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::packed::PACK_COUNT_BITS;
     use super::*;
+    use crate::limiter::FullAt;
     use crate::limiter::{fixed_window_hit, WindowQuota};
 
     fn hit(store: &MemoryStore, key: &[u8], now_ms: u64) -> Result<bool, StoreFull> {

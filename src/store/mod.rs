@@ -3,7 +3,9 @@
 //! layout), or a cluster's replicated shards. A backend answers synchronously
 //! when it can and with a future when it must wait (network).
 
+mod key;
 pub mod memory;
+mod packed;
 pub mod redis;
 mod table;
 
