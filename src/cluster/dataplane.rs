@@ -496,14 +496,17 @@ impl DataPlane {
         // Two passes: every key's stripe line first (an address computed
         // from the hash alone, so no pass waits), then every key's slot,
         // whose address is read from the stripe line fetched meanwhile.
-        let mut hashes: SmallVec<[u64; 64]> = SmallVec::new();
+        // On the stack: no allocation per frame, however many keys.
+        let mut hashes = [0u64; FRAME_PREFETCH_KEYS_MAX];
+        let mut count = 0;
         let _ = walk_keys(body, |key| {
             let hash = self.store.key_hash(key);
             self.store.prefetch_stripe(hash);
-            hashes.push(hash);
-            hashes.len() < FRAME_PREFETCH_KEYS_MAX
+            hashes[count] = hash;
+            count += 1;
+            count < FRAME_PREFETCH_KEYS_MAX
         });
-        for &hash in &hashes {
+        for &hash in &hashes[..count] {
             self.store.prefetch_slot(hash);
         }
     }
