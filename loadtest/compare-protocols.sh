@@ -45,30 +45,15 @@ mkdir -p "$OUT"
 
 command -v python3 >/dev/null || { echo "compare-protocols.sh: python3 is needed" >&2; exit 1; }
 
-if [[ -z ${SKIP_BUILD:-} ]]; then
-    echo "== building release binaries"
-    (cd "$ROOT" && cargo build --release -p tollgate -p tollgate-loadtest)
-fi
-TOLLGATE=${TOLLGATE_BIN:-$TARGET_DIR/release/tollgate}
-LOADTEST=${LOADTEST_BIN:-$TARGET_DIR/release/tollgate-loadtest}
-for b in "$TOLLGATE" "$LOADTEST"; do
-    [[ -x $b ]] || { echo "compare-protocols.sh: $b is missing (build it, or set TOLLGATE_BIN/LOADTEST_BIN)" >&2; exit 1; }
-done
-
-SERVER_PID=
-cleanup() {
-    if [[ -n $SERVER_PID ]]; then
-        kill "$SERVER_PID" 2>/dev/null || true
-        wait "$SERVER_PID" 2>/dev/null || true
-    fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+# shellcheck source=loadtest/common.sh
+source "$ROOT/loadtest/common.sh"
+find_binaries compare-protocols.sh
 
 echo "== starting tollgate (embedded default rules, three endpoints) on loopback; results in $OUT"
 "$TOLLGATE" serve --listen 127.0.0.1:0 --droplet-listen 127.0.0.1:0 --grpc-listen=127.0.0.1:0 \
     --threads "${TOLLGATE_THREADS:-1}" >"$OUT/tollgate.log" 2>&1 &
 SERVER_PID=$!
+PIDS+=("$SERVER_PID")
 addr_of() { # addr_of KIND: the address the log says KIND listens on
     python3 -c '
 import re, sys

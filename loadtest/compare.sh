@@ -38,28 +38,9 @@ mkdir -p "$OUT"
 command -v python3 >/dev/null || { echo "compare.sh: python3 is needed" >&2; exit 1; }
 command -v "$REDIS_SERVER" >/dev/null || { echo "compare.sh: $REDIS_SERVER not found" >&2; exit 1; }
 
-if [[ -z ${SKIP_BUILD:-} ]]; then
-    echo "== building release binaries"
-    (cd "$ROOT" && cargo build --release -p tollgate -p tollgate-loadtest)
-fi
-TOLLGATE=${TOLLGATE_BIN:-$TARGET_DIR/release/tollgate}
-LOADTEST=${LOADTEST_BIN:-$TARGET_DIR/release/tollgate-loadtest}
-for b in "$TOLLGATE" "$LOADTEST"; do
-    [[ -x $b ]] || { echo "compare.sh: $b is missing (build it, or set TOLLGATE_BIN/LOADTEST_BIN)" >&2; exit 1; }
-done
-
-PIDS=()
-cleanup() {
-    local p
-    for p in "${PIDS[@]}"; do
-        kill "$p" 2>/dev/null || true
-    done
-    for p in "${PIDS[@]}"; do
-        wait "$p" 2>/dev/null || true
-    done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+# shellcheck source=loadtest/common.sh
+source "$ROOT/loadtest/common.sh"
+find_binaries compare.sh
 
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
