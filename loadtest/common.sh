@@ -4,9 +4,10 @@
 # stopped on exit (add each one's pid to PIDS).
 
 # find_binaries SCRIPT_NAME: sets TOLLGATE and LOADTEST, building them first
-# unless SKIP_BUILD is set; exits naming SCRIPT_NAME when one is missing.
+# unless SKIP_BUILD is set or both are given; exits naming SCRIPT_NAME when
+# one is missing.
 find_binaries() {
-    if [[ -z ${SKIP_BUILD:-} ]]; then
+    if [[ -z ${SKIP_BUILD:-} && (-z ${TOLLGATE_BIN:-} || -z ${LOADTEST_BIN:-}) ]]; then
         echo "== building release binaries"
         (cd "$ROOT" && cargo build --release -p tollgate -p tollgate-loadtest)
     fi

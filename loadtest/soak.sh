@@ -80,15 +80,9 @@ for v in SOAK_SECONDS SOAK_CONNECTIONS SOAK_ACTORS SOAK_THREADS SOAK_PIPELINE SO
 done
 ((SOAK_SECONDS >= 3)) || fail "SOAK_SECONDS must be at least 3 (the checks compare thirds)"
 
-if [[ -z ${SKIP_BUILD:-} && (-z ${TOLLGATE_BIN:-} || -z ${LOADTEST_BIN:-}) ]]; then
-    echo "== building release binaries"
-    (cd "$ROOT" && cargo build --release -p tollgate -p tollgate-loadtest)
-fi
-TOLLGATE=${TOLLGATE_BIN:-$TARGET_DIR/release/tollgate}
-LOADTEST=${LOADTEST_BIN:-$TARGET_DIR/release/tollgate-loadtest}
-for b in "$TOLLGATE" "$LOADTEST"; do
-    [[ -x $b ]] || fail "$b is missing (build it, or set TOLLGATE_BIN/LOADTEST_BIN)"
-done
+# shellcheck source=loadtest/common.sh
+source "$ROOT/loadtest/common.sh"
+find_binaries soak.sh
 
 # Descriptors: each process holds one per connection, plus its own files and listeners.
 NEED_FDS=$((SOAK_CONNECTIONS + 1024))
@@ -99,19 +93,6 @@ fi
 if [[ $(ulimit -Sn) != unlimited ]] && (($(ulimit -Sn) < NEED_FDS)); then
     ulimit -Sn "$NEED_FDS"
 fi
-
-PIDS=()
-cleanup() {
-    local p
-    for p in "${PIDS[@]}"; do
-        kill "$p" 2>/dev/null || true
-    done
-    for p in "${PIDS[@]}"; do
-        wait "$p" 2>/dev/null || true
-    done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 
 cat >"$OUT/soak.ini" <<'EOF'
 ; Written by loadtest/soak.sh: one counter per actor, a limit no soak reaches.
