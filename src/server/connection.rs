@@ -19,6 +19,9 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+/// Room made for a batch's run (a pipelined read's requests) before its
+/// first request, rather than growing one reallocation at a time.
+const RUN_ITEMS_INITIAL: usize = 16;
 /// Bytes asked of the kernel per read.
 const READ_CHUNK_BYTES: usize = 16 * 1024;
 /// Reads of at least half a chunk a connection may do before it yields its
@@ -77,8 +80,8 @@ struct Connection {
     input: InputBuffer,
     output: Vec<u8>,
     pending: FuturesOrdered<PendingReplies>,
-    /// Requests of the current read batch that follow its first deferred
-    /// hit, in order (empty unless the backend batches).
+    /// Requests of the current read batch, in order, answered together when
+    /// the batch's deferred hits are (empty unless the backend batches).
     run: Vec<RunItem>,
     /// An `ERR` was produced: stop executing, flush, close.
     closing: bool,
@@ -219,10 +222,15 @@ impl Connection {
 
     /// Executes every complete line in the buffer, unless the pipeline is full
     /// or an error ended the conversation. With a batching backend the lines
-    /// of one call share one batch: the requests from its first deferred hit
-    /// on wait for the batch as one run.
+    /// of one call share one batch and are answered as one run, in one write
+    /// once its deferred hits are decided (replies ready before then wait
+    /// for them: one write per read batch, not one before and one after).
     fn execute_buffered_lines(&mut self) {
         let mut batch = self.engine.begin_batch();
+        if batch.is_some() && self.run.capacity() == 0 {
+            // The last run went to its future: room for a pipelined read's.
+            self.run.reserve(RUN_ITEMS_INITIAL);
+        }
         // Lines read in this call, counted once at the end (not per line).
         let mut lines = 0u64;
         while !self.closing && self.pending.len() + self.run.len() < self.limits.pipeline_max {
@@ -245,6 +253,9 @@ impl Connection {
             };
             self.input.consume(used);
             match outcome {
+                // Within a batch, a reply held until the batch's end goes out in one
+                // write with the deferred replies after it, not in a write of its own.
+                Outcome::Now(reply) if batch.is_some() => self.hold_reply(reply),
                 Outcome::Now(reply) => self.queue_reply(reply),
                 Outcome::Later(future) => {
                     // Replies keep request order: the run so far goes first.
@@ -280,6 +291,15 @@ impl Connection {
             return;
         }
         let run = std::mem::take(&mut self.run);
+        if answers.is_none() && run.iter().all(|item| matches!(item, RunItem::Ready(_))) {
+            // Nothing of the run waits: answer it now, behind what is pending.
+            for item in run {
+                if let RunItem::Ready(reply) = item {
+                    self.queue_reply(reply);
+                }
+            }
+            return;
+        }
         let engine = Arc::clone(&self.engine);
         self.pending
             .push_back(PendingReplies::Run(Box::pin(async move {
@@ -287,10 +307,13 @@ impl Connection {
                     Some(answers) => answers.await,
                     None => Vec::new(),
                 };
+                let decided_at = std::time::Instant::now();
                 run.into_iter()
                     .map(|item| match item {
                         RunItem::Ready(reply) => reply,
-                        RunItem::Deferred(hit) => engine.finish_deferred(&rules, &hit, &answers),
+                        RunItem::Deferred(hit) => {
+                            engine.finish_deferred(&rules, &hit, &answers, decided_at)
+                        }
                     })
                     .collect()
             })));
@@ -301,6 +324,15 @@ impl Connection {
             .metrics
             .error(crate::protocol::ErrorCode::Unknown);
         self.queue_reply(Reply::error("line too long"));
+    }
+
+    /// Holds a reply of the current batch in its run, answered with the
+    /// batch (see [`Connection::end_run`]).
+    fn hold_reply(&mut self, reply: Reply) {
+        if reply.closes_connection() {
+            self.closing = true;
+        }
+        self.run.push(RunItem::Ready(reply));
     }
 
     /// Answers now when nothing is waiting ahead of this reply, else queues it.

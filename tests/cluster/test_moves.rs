@@ -6,7 +6,8 @@
 //! over ends with the old leader leading on, then handing over elsewhere.
 //! Also: one read batch whose hits span every shard (some decided on the
 //! receiving node, the others forwarded to each peer) is answered hit by
-//! hit, in request order.
+//! hit, in request order; and a read batch of hits decided at once and hits
+//! forwarded is answered in one write.
 
 use crate::cluster_support::*;
 use std::net::SocketAddr;
@@ -315,6 +316,66 @@ fn one_read_batch_across_every_shard_is_answered_in_request_order() {
                     sent[i]
                 );
             }
+        }
+    }
+}
+
+/// Fast mode: hits the entry node decides at once and hits it forwards,
+/// pipelined in one read, are answered in *one* write, not the ready ones
+/// first and the forwarded ones a round trip later (the client, whose
+/// requests were pipelined together, waits for them all anyway; a write
+/// costs a system call on both sides). Seen from the client: the first
+/// read returns every reply.
+#[test]
+fn a_read_batch_of_local_and_forwarded_hits_is_answered_in_one_write() {
+    use std::io::{Read, Write};
+    let cluster = TestCluster::start(3, 64, &["--consistency", "fast"]);
+    let topology = cluster.wait_leaders_stable(Duration::from_secs(3), Duration::from_secs(60));
+    let leader_of = |shard: u32| {
+        topology
+            .placement
+            .iter()
+            .find(|s| s.shard == shard)
+            .and_then(|s| s.leader)
+    };
+    // Eight actors node 1 leads, then eight it must forward.
+    let (mut local, mut forwarded) = (Vec::new(), Vec::new());
+    for i in 0.. {
+        let user = format!("onewrite{i}");
+        let shard = shard_of_user(64, "path=/limited", 200, 60, &user);
+        match leader_of(shard) {
+            Some(1) if local.len() < 8 => local.push(user),
+            Some(leader) if leader != 1 && forwarded.len() < 8 => forwarded.push(user),
+            _ => {}
+        }
+        if local.len() == 8 && forwarded.len() == 8 {
+            break;
+        }
+    }
+    let batch: String = local
+        .iter()
+        .chain(&forwarded)
+        .map(|user| format!("HIT path=/limited user={user}\n"))
+        .collect();
+    for attempt in 0..3 {
+        // The same actors each time: every count goes down by one.
+        let mut stream = std::net::TcpStream::connect(cluster.client(1)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream.write_all(batch.as_bytes()).unwrap();
+        let mut first = vec![0u8; 64 * 1024];
+        let n = stream.read(&mut first).unwrap();
+        let text = String::from_utf8_lossy(&first[..n]);
+        let replies: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            replies.len(),
+            16,
+            "attempt {attempt}: the first read held {} of 16 replies: {text:?}",
+            replies.len()
+        );
+        for (i, reply) in replies.iter().enumerate() {
+            assert_eq!(*reply, format!("OK true {} 60", 199 - attempt), "reply {i}");
         }
     }
 }
