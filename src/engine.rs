@@ -158,6 +158,18 @@ pub struct Arrival {
     pub now_ms: u64,
 }
 
+/// When a request's decision was reached, for `divvy_hit_duration_seconds`.
+#[derive(Debug, Clone, Copy)]
+enum DecidedAt {
+    /// While its read's lines execute: see [`synchronous_elapsed`].
+    InBatch,
+    /// Now: a backend's future for it resolved.
+    Now,
+    /// At this instant, read once for a run of deferred hits answered
+    /// together.
+    At(Instant),
+}
+
 /// Synchronous decisions of one batch that share a clock read for
 /// `divvy_hit_duration_seconds`.
 const DECISIONS_PER_DURATION_READ: u32 = 16;
@@ -464,14 +476,26 @@ impl Engine {
         };
         drop(ops);
         match decided {
-            Decided::Ready(decisions) => OperationOutcome::Now(
-                self.answer_operation(&loaded, &plan, decisions, peek, arrival, true),
-            ),
+            Decided::Ready(decisions) => OperationOutcome::Now(self.answer_operation(
+                &loaded,
+                &plan,
+                decisions,
+                peek,
+                arrival,
+                DecidedAt::InBatch,
+            )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 OperationOutcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.answer_operation(&loaded, &plan, decisions, peek, arrival, false)
+                    engine.answer_operation(
+                        &loaded,
+                        &plan,
+                        decisions,
+                        peek,
+                        arrival,
+                        DecidedAt::Now,
+                    )
                 }))
             }
         }
@@ -484,9 +508,9 @@ impl Engine {
         decisions: Decisions,
         peek: bool,
         arrival: Arrival,
-        synchronous: bool,
+        decided_at: DecidedAt,
     ) -> OperationAnswer {
-        let reply = self.finish(loaded, plan, decisions, peek, arrival, synchronous);
+        let reply = self.finish(loaded, plan, decisions, peek, arrival, decided_at);
         let rule = plan.last().map(|step| &loaded.set.rules()[step.position()]);
         OperationAnswer {
             reply,
@@ -498,22 +522,27 @@ impl Engine {
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
         let loaded = self.rules.load();
         let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
-        if ops.is_empty() {
-            let decisions = Decisions::new();
-            return Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival, true));
-        }
-        let decided = self.backend.decide(&ops, arrival.now_ms);
+        let decided = if ops.is_empty() {
+            Decided::Ready(Decisions::new())
+        } else {
+            self.backend.decide(&ops, arrival.now_ms)
+        };
         drop(ops);
         match decided {
-            Decided::Ready(decisions) => {
-                Outcome::Now(self.finish(&loaded, &plan, decisions, peek, arrival, true))
-            }
+            Decided::Ready(decisions) => Outcome::Now(self.finish(
+                &loaded,
+                &plan,
+                decisions,
+                peek,
+                arrival,
+                DecidedAt::InBatch,
+            )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = arc_swap::Guard::into_inner(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, decisions, peek, arrival, false)
+                    engine.finish(&loaded, &plan, decisions, peek, arrival, DecidedAt::Now)
                 }))
             }
         }
@@ -528,14 +557,20 @@ impl Engine {
     ) -> Outcome {
         let loaded = &*batch.rules;
         let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
-        if ops.is_empty() {
-            let decisions = Decisions::new();
-            return Outcome::Now(self.finish(loaded, &plan, decisions, peek, arrival, true));
-        }
-        match batch.ops.decide(&ops, arrival.now_ms) {
-            BatchDecided::Ready(decisions) => {
-                Outcome::Now(self.finish(loaded, &plan, decisions, peek, arrival, true))
-            }
+        let decided = if ops.is_empty() {
+            BatchDecided::Ready(Decisions::new())
+        } else {
+            batch.ops.decide(&ops, arrival.now_ms)
+        };
+        match decided {
+            BatchDecided::Ready(decisions) => Outcome::Now(self.finish(
+                loaded,
+                &plan,
+                decisions,
+                peek,
+                arrival,
+                DecidedAt::InBatch,
+            )),
             BatchDecided::Slots { first } => Outcome::Deferred(DeferredHit {
                 plan,
                 first_slot: first,
@@ -545,12 +580,14 @@ impl Engine {
         }
     }
 
-    /// The reply of a deferred hit, from its batch's answers.
+    /// The reply of a deferred hit, from its batch's answers, which came in
+    /// at `decided_at` (one clock read for the whole run, not one a hit).
     pub fn finish_deferred(
         &self,
         loaded: &LoadedRules,
         hit: &DeferredHit,
         answers: &SlotAnswers,
+        decided_at: Instant,
     ) -> Reply {
         let ops = hit
             .plan
@@ -562,7 +599,14 @@ impl Engine {
             Some(slots) => slots.iter().cloned().collect(),
             None => return Reply::error("backend returned too few decisions"),
         };
-        self.finish(loaded, &hit.plan, decisions, hit.peek, hit.arrival, false)
+        self.finish(
+            loaded,
+            &hit.plan,
+            decisions,
+            hit.peek,
+            hit.arrival,
+            DecidedAt::At(decided_at),
+        )
     }
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts
@@ -575,7 +619,7 @@ impl Engine {
         decisions: Decisions,
         peek: bool,
         arrival: Arrival,
-        synchronous: bool,
+        decided_at: DecidedAt,
     ) -> Reply {
         let mut last: Option<Result<Decision, &BackendError>> = None;
         // A cluster shard that cannot decide is a backend failure, counted
@@ -617,10 +661,10 @@ impl Engine {
         match last {
             Some(Ok(decision)) => {
                 if !peek {
-                    self.metrics.hit_duration(if synchronous {
-                        synchronous_elapsed(arrival.received)
-                    } else {
-                        arrival.received.elapsed()
+                    self.metrics.hit_duration(match decided_at {
+                        DecidedAt::InBatch => synchronous_elapsed(arrival.received),
+                        DecidedAt::Now => arrival.received.elapsed(),
+                        DecidedAt::At(at) => at.saturating_duration_since(arrival.received),
                     });
                 }
                 Reply::Decision(decision)

@@ -310,12 +310,12 @@ impl DataPlane {
     /// Sends a batch of ops to `peer`, the leader of their shards; their
     /// answers fill `slots` of `board`. Returns false (nothing sent) when
     /// the peer is unreachable or its outbox full.
-    pub fn send_forward(
+    pub fn send_forward<'a>(
         &self,
         peer: NodeId,
         board: &Arc<SlotBoard>,
         slots: SmallVec<[u32; 16]>,
-        ops: &[u8],
+        ops: impl Iterator<Item = &'a [u8]>,
     ) -> bool {
         let out = self.out(peer);
         if !out.connected() {
@@ -328,7 +328,9 @@ impl DataPlane {
         let mut forwards = self.forwards.lock();
         let frame = out.append(|body| {
             let at = begin_counted(body, tag::FORWARD, &[batch]);
-            body.extend_from_slice(ops);
+            for op in ops {
+                body.extend_from_slice(op);
+            }
             end_counted(body, at, count);
         });
         let Some(frame) = frame else {

@@ -247,11 +247,20 @@ struct LocalState {
     wait: Option<(u32, Decision)>,
 }
 
+/// The ops of a read batch for one peer: their board slots, and where each
+/// is encoded in the batch's `ops` (every waiting op is encoded once there,
+/// for the frame and for a retry).
 struct PeerForward {
     peer: NodeId,
-    ops: Vec<u8>,
     slots: SmallVec<[u32; 16]>,
+    ops_at: SmallVec<[(u32, u32); 16]>,
 }
+
+/// Capacity of a batch's slot list when its first slot is added (a typical
+/// pipelined read), so that it does not grow one reallocation at a time.
+const BATCH_SLOTS_INITIAL: usize = 32;
+/// Capacity of a batch's encoded ops when its first op waits.
+const BATCH_OPS_BYTES_INITIAL: usize = 2048;
 
 /// The cluster backend's batch for one read (see the module doc).
 pub struct ClusterBatch {
@@ -279,7 +288,8 @@ impl ClusterBatch {
         }
     }
 
-    /// Routes one op (see the module doc); returns its slot's answer.
+    /// Routes one op (see the module doc); returns its slot's answer. A
+    /// forwarded op is encoded at the end of the batch's `ops` here.
     fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> SlotAnswer {
         let dp: &DataPlane = &self.dp;
         match dp.leaders.leader(shard) {
@@ -330,15 +340,15 @@ impl ClusterBatch {
                     None => {
                         self.forwards.push(PeerForward {
                             peer,
-                            ops: Vec::new(),
                             slots: SmallVec::new(),
+                            ops_at: SmallVec::new(),
                         });
                         let last = self.forwards.len() - 1;
                         &mut self.forwards[last]
                     }
                 };
-                put_op(&mut forward.ops, op);
                 forward.slots.push(slot);
+                forward.ops_at.push(encode_op(&mut self.ops, op));
                 SlotAnswer::Pending
             }
         }
@@ -346,13 +356,21 @@ impl ClusterBatch {
 
     /// Adds one op as the next slot; returns whether it waits.
     fn add(&mut self, shard: u32, op: &OpView<'_>, now_ms: u64) -> bool {
+        if self.slots.capacity() == 0 {
+            self.slots.reserve(BATCH_SLOTS_INITIAL);
+        }
         let slot = self.slots.len() as u32;
+        // Where this op is (or will be) encoded: every waiting op once, in
+        // order, the forwarded ones by `route`.
+        let encoded = self.ops.len();
         let answer = self.route(slot, shard, op, now_ms);
         let waits = !matches!(answer, SlotAnswer::Done(_));
         let op_at = if waits {
-            let at = self.ops.len() as u32;
-            put_op(&mut self.ops, op);
-            at
+            if encoded == self.ops.len() {
+                // Not forwarded (`route` encoded those): kept for a retry.
+                encode_op(&mut self.ops, op);
+            }
+            encoded as u32
         } else {
             u32::MAX
         };
@@ -383,7 +401,8 @@ impl ClusterBatch {
             }
             return None;
         }
-        let board = Arc::new(SlotBoard::new(slots, ops));
+        // The ops join the board once the forwards are sent from them.
+        let board = Arc::new(SlotBoard::new(slots, Vec::new()));
         if !states.is_empty() {
             dp.push_states(states.iter().map(|s| {
                 let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
@@ -391,7 +410,11 @@ impl ClusterBatch {
             }));
         }
         for forward in forwards {
-            if !dp.send_forward(forward.peer, &board, forward.slots.clone(), &forward.ops) {
+            let op_bytes = forward
+                .ops_at
+                .iter()
+                .map(|&(start, end)| &ops[start as usize..end as usize]);
+            if !dp.send_forward(forward.peer, &board, forward.slots.clone(), op_bytes) {
                 let why = ShardRefusal::Other(format!(
                     "forwarding to node {}: not connected",
                     forward.peer
@@ -407,8 +430,19 @@ impl ClusterBatch {
                 }
             }
         }
+        board.inner.lock().ops = ops;
         Some(Box::pin(wait_for_answers(dp, board, deadline)))
     }
+}
+
+/// Appends `op` to a batch's encoded ops; returns where it lies.
+fn encode_op(ops: &mut Vec<u8>, op: &OpView<'_>) -> (u32, u32) {
+    if ops.capacity() == 0 {
+        ops.reserve(BATCH_OPS_BYTES_INITIAL);
+    }
+    let start = ops.len() as u32;
+    put_op(ops, op);
+    (start, ops.len() as u32)
 }
 
 fn decided(state: &LocalState, board: Option<&Arc<SlotBoard>>) -> DecidedState {
