@@ -37,8 +37,9 @@ use std::sync::Arc;
 /// control frame to every node and is kept in each data dir).
 pub const RULES_TEXT_BYTES_MAX: usize = 16 * 1024 * 1024;
 
-/// How long a peer may take to check or take a rule set.
-const RULES_CALL_TIMEOUT_MS: u64 = 5_000;
+/// How long a peer may take to check or take a rule set (both steps fit
+/// in the 10 s `tollgate cluster reload` waits by default).
+const RULES_CALL_TIMEOUT_MS: u64 = 3_000;
 
 /// Which committed rule set a node serves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -250,6 +251,22 @@ impl ClusterRules {
         );
         Ok(true)
     }
+
+    /// A reload's second step: switches to `record`; `Err` when it could
+    /// not, or when a newer set was committed meanwhile (a reload taken at
+    /// the same time elsewhere), which this node serves instead.
+    pub fn commit(&self, record: &RulesRecord) -> Result<(), String> {
+        self.adopt(record)?;
+        let tag = self.tag();
+        if tag != record.tag {
+            return Err(format!(
+                "it serves rules {} committed meanwhile, not {}",
+                tag.describe(),
+                record.tag.describe()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The rules of a committed record, checked against its fingerprint (a
@@ -338,7 +355,9 @@ impl ClusterNode {
             ));
         }
         // Step two: commit here, then on every member.
-        self.rules.adopt(&record)?;
+        self.rules
+            .commit(&record)
+            .map_err(|why| format!("nothing changed by this reload: {why}"))?;
         let committed = self
             .ask_members(|| PeerRequest::RulesCommit(record.clone()))
             .await;
@@ -499,8 +518,11 @@ mod tests {
         let error = rules.check(&record(1, 3, OLD)).unwrap_err();
         assert!(error.contains("not older than"), "{error}");
         // The same version from a higher node wins (as member lists do).
-        assert_eq!(rules.adopt(&record(2, 2, OLD)), Ok(true));
+        assert_eq!(rules.commit(&record(2, 2, OLD)), Ok(()));
         assert_eq!(seen.lock().len(), 2);
+        // A commit overtaken by a newer set says so.
+        let error = rules.commit(&record(2, 1, NEW)).unwrap_err();
+        assert!(error.contains("committed meanwhile"), "{error}");
     }
 
     #[test]

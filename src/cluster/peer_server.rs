@@ -266,9 +266,7 @@ async fn handle(node: &Arc<ClusterNode>, request: PeerRequest) -> PeerResponse {
         },
         PeerRequest::Admin(request) => PeerResponse::Admin(node.admin(request).await),
         PeerRequest::RulesPrepare(record) => PeerResponse::RulesChecked(node.rules.check(&record)),
-        PeerRequest::RulesCommit(record) => {
-            PeerResponse::RulesChecked(node.rules.adopt(&record).map(drop))
-        }
+        PeerRequest::RulesCommit(record) => PeerResponse::RulesChecked(node.rules.commit(&record)),
         PeerRequest::Rules => PeerResponse::Rules(node.rules.record()),
     }
 }
