@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The largest rule file a cluster reload carries (it travels in one
 /// control frame to every node and is kept in each data dir).
@@ -40,6 +41,9 @@ pub const RULES_TEXT_BYTES_MAX: usize = 16 * 1024 * 1024;
 /// How long a peer may take to check or take a rule set (both steps fit
 /// in the 10 s `tollgate cluster reload` waits by default).
 const RULES_CALL_TIMEOUT_MS: u64 = 3_000;
+
+/// A node that cannot take its peers' newer rules says so at most this often.
+const LEARN_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Which committed rule set a node serves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +124,8 @@ pub struct ClusterRules {
     state: Mutex<RulesState>,
     /// One reload at a time from this node.
     reloading: tokio::sync::Mutex<()>,
+    /// When this node last warned that it could not take newer rules.
+    warned_at: Mutex<Option<Instant>>,
 }
 
 struct RulesState {
@@ -173,6 +179,7 @@ impl ClusterRules {
             disk,
             state: Mutex::new(state),
             reloading: tokio::sync::Mutex::new(()),
+            warned_at: Mutex::new(None),
         })
     }
 
@@ -200,6 +207,17 @@ impl ClusterRules {
             sink(set);
         }
         state.sink = Some(sink);
+    }
+
+    /// Should a failure to take newer rules be logged now? (At most once
+    /// per [`LEARN_WARNING_INTERVAL`]: peers are polled four times a second.)
+    pub fn warn_now(&self) -> bool {
+        let mut warned_at = self.warned_at.lock();
+        if warned_at.is_some_and(|at| at.elapsed() < LEARN_WARNING_INTERVAL) {
+            return false;
+        }
+        *warned_at = Some(Instant::now());
+        true
     }
 
     /// Parses a rule file as this node would serve it.

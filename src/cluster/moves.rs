@@ -66,7 +66,9 @@ impl ClusterNode {
                 .lock()
                 .extend(answered.keys().map(|&peer| (peer, now)));
             if let Err(why) = self.learn_rules(&answered).await {
-                tracing::warn!("cannot take the cluster's newer rules yet: {why}");
+                if self.rules.warn_now() {
+                    tracing::warn!("cannot take the cluster's newer rules yet: {why}");
+                }
             }
             self.last_reports.lock().extend(answered);
         }
