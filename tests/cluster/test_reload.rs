@@ -1,9 +1,10 @@
 //! Cluster-wide rule changes (docs/cluster.md, "Cluster-wide reload"): a
 //! reload taken by any node (`tollgate cluster reload FILE`, SIGHUP,
 //! `tollgate reload`) is checked by every node, committed, and served by
-//! every node; an invalid file changes nothing anywhere; a node restarted
-//! with a stale rule file, from its data dir or from an empty one, serves
-//! the committed rules.
+//! every node; an invalid file changes nothing anywhere, and neither does a
+//! reload that a majority of the members cannot check; a node restarted
+//! with a stale rule file, from its data dir or from an empty one, or back
+//! after missing a reload, serves the committed rules.
 
 use crate::cluster_support::*;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -382,4 +383,51 @@ fn a_sighup_on_one_node_commits_everywhere_and_restarted_nodes_keep_the_new_rule
         );
     }
     wait_version(&cluster, &[1, 2, 3], 1, Duration::from_secs(5));
+}
+
+#[test]
+fn a_reload_needs_a_majority_and_a_node_that_was_down_takes_it_when_it_returns() {
+    let mut cluster = TestCluster::start(3, 4, &[]);
+    let old_path = cluster.dir.path().join("old-rules.ini");
+    std::fs::write(&old_path, RULES).unwrap();
+    let new_path = cluster.dir.path().join("new-rules.ini");
+    std::fs::write(&new_path, new_rules()).unwrap();
+    // Node 3 down: nodes 1 and 2 are a majority of the members.
+    cluster.kill(3);
+    let (ok, said) = cluster.admin(1, &["reload", new_path.to_str().unwrap()]);
+    assert!(ok, "{said}");
+    assert!(
+        said.contains("serving them: nodes 1,2")
+            && said.contains("nodes 3 take them from their peers"),
+        "{said}"
+    );
+    for id in 1..=2 {
+        assert_eq!(first_limited_credit(&cluster, id, &format!("two{id}")), 299);
+    }
+    // Node 2 down too: node 1 alone is no majority, and nothing changes.
+    cluster.kill(2);
+    let newer = cluster.dir.path().join("newer-rules.ini");
+    std::fs::write(
+        &newer,
+        new_rules().replace("creditLimit = 300\n", "creditLimit = 400\n"),
+    )
+    .unwrap();
+    let (ok, said) = cluster.admin(1, &["reload", newer.to_str().unwrap()]);
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("only 1 of the 3 members checked the new rules")
+            && said.contains("nothing changed"),
+        "{said}"
+    );
+    // Both come back with the old rule file: they serve version 1.
+    cluster.spawn(2, Some(&old_path));
+    cluster.spawn(3, Some(&old_path));
+    cluster.wait_healthy(Duration::from_secs(30));
+    wait_version(&cluster, &[1, 2, 3], 1, Duration::from_secs(5));
+    for id in 1..=3 {
+        assert_eq!(
+            first_limited_credit(&cluster, id, &format!("back{id}")),
+            299
+        );
+    }
 }
