@@ -324,12 +324,20 @@ pub fn reload_command(args: &ReloadArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    if let Err(error) = crate::rules::diagnostics::load_text(&name, &text, false) {
-        eprintln!(
-            "tollgate: refused: {}; nothing changed",
-            error.in_file(&args.file)
-        );
-        return Ok(ExitCode::FAILURE);
+    match crate::rules::diagnostics::load_text(&name, &text, false) {
+        Ok(loaded) => {
+            // Nodes running --strict-rules refuse the file for these.
+            for warning in &loaded.warnings {
+                eprintln!("tollgate: warning: {name}: {warning}");
+            }
+        }
+        Err(error) => {
+            eprintln!(
+                "tollgate: refused: {}; nothing changed",
+                error.in_file(&args.file)
+            );
+            return Ok(ExitCode::FAILURE);
+        }
     }
     run_admin(&args.target, AdminRequest::ReloadRules { name, text })
 }
