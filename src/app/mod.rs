@@ -323,6 +323,7 @@ impl App {
         let cluster = crate::cluster::start(
             &config.cluster,
             &rules,
+            config.strict_rules,
             Arc::clone(&store),
             Arc::clone(&clock),
         )
@@ -338,6 +339,12 @@ impl App {
                 Arc::clone(&metrics),
             )?),
         };
+        // A cluster node serves the rule set the cluster committed, which
+        // a data dir or the peers may hold in place of the rule file's.
+        let rules = cluster
+            .as_ref()
+            .and_then(Cluster::committed_rules)
+            .unwrap_or(rules);
         let backend_name = match &cluster {
             Some(cluster) => cluster.describe(),
             None => backend.name().to_string(),
@@ -359,6 +366,14 @@ impl App {
             Engine::with_extension,
         );
         let engine = Arc::new(engine);
+        if let Some(cluster) = &cluster {
+            let engine = Arc::downgrade(&engine);
+            cluster.on_rules_committed(Box::new(move |rules| {
+                if let Some(engine) = engine.upgrade() {
+                    engine.replace_rules(rules);
+                }
+            }));
+        }
         // Loads the persisted counters before serving.
         let persistence = match persist_config {
             Some(persist) => {
@@ -568,14 +583,33 @@ impl RunningApp {
     /// Re-reads the rule file: a valid file replaces the rules without
     /// dropping connections (counters of unchanged rules keep counting); an
     /// invalid one, or one the backend cannot serve, is refused with the
-    /// error logged, and the current rules stay. Returns what happened, for
-    /// whoever asked (`tollgate reload`).
+    /// error logged, and the current rules stay. A cluster node commits the
+    /// file on every node instead (docs/cluster.md, "Cluster-wide reload").
+    /// Returns what happened, for whoever asked (`tollgate reload`).
     pub fn reload_rules(&self) -> Result<String, String> {
         let Some(path) = &self.parts.rule_file else {
             let why = "serving the embedded default rules: there is no rule file to reload";
             tracing::warn!("reload: {why}");
             return Err(why.to_owned());
         };
+        if let Some(cluster) = &self.parts.cluster {
+            let outcome = std::fs::read_to_string(path)
+                .map_err(|reason| {
+                    ConfigError::Io {
+                        path: path.display().to_string(),
+                        reason,
+                    }
+                    .to_string()
+                })
+                .and_then(|text| cluster.reload_rules(path.display().to_string(), text));
+            match &outcome {
+                Ok(done) => tracing::info!(path = %path.display(), "{done}"),
+                Err(error) => {
+                    tracing::error!(path = %path.display(), %error, "reload refused, keeping the current rules")
+                }
+            }
+            return outcome;
+        }
         let engine = &self.parts.engine;
         let checked = load_rule_file(path, self.parts.strict_rules)
             .map_err(|error| error.in_file(path))

@@ -1,8 +1,8 @@
-//! `tollgate cluster status|add-node|remove-node` and the cluster flags of
-//! `tollgate serve`: flags and environment variables mapped onto
+//! `tollgate cluster status|add-node|remove-node|reload` and the cluster
+//! flags of `tollgate serve`: flags and environment variables mapped onto
 //! [`ClusterConfig`], and the operator commands, which ask a running node
-//! ([`fetch_topology`], [`admin::send`]) and turn its answer into
-//! output and an exit status.
+//! ([`fetch_topology`], [`admin::send`]) and turn its answer into output
+//! and an exit status.
 
 use crate::cluster::admin;
 use crate::cluster::auth::PeerSecrets;
@@ -265,6 +265,16 @@ pub struct RemoveNodeArgs {
     pub target: AdminTarget,
 }
 
+/// `tollgate cluster reload`.
+#[derive(Debug, Clone, Args)]
+pub struct ReloadArgs {
+    /// The new rule file (`.ini` or `.json`); its text is sent to the node,
+    /// so it need not exist on the nodes.
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub target: AdminTarget,
+}
+
 /// `tollgate cluster status`: exit 1 with `--check` when the cluster is not
 /// healthy (or, with `--settled`, still moving shards).
 pub fn status_command(args: &StatusArgs) -> anyhow::Result<ExitCode> {
@@ -302,7 +312,37 @@ pub fn remove_node_command(args: &RemoveNodeArgs) -> anyhow::Result<ExitCode> {
     run_admin(&args.target, AdminRequest::RemoveNode { id: args.id })
 }
 
-/// Sends a membership request and prints the answer: exit 1 when the node
+/// `tollgate cluster reload FILE`: checks the file here (so that a bad one
+/// is named at once), then asks a node to commit it on every node.
+pub fn reload_command(args: &ReloadArgs) -> anyhow::Result<ExitCode> {
+    let name = args.file.display().to_string();
+    let text = match std::fs::read_to_string(&args.file) {
+        Ok(text) => text,
+        Err(reason) => {
+            let error = crate::rules::ConfigError::Io { path: name, reason };
+            eprintln!("tollgate: refused: {error}; nothing changed");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    match crate::rules::diagnostics::load_text(&name, &text, false) {
+        Ok(loaded) => {
+            // Nodes running --strict-rules refuse the file for these.
+            for warning in &loaded.warnings {
+                eprintln!("tollgate: warning: {name}: {warning}");
+            }
+        }
+        Err(error) => {
+            eprintln!(
+                "tollgate: refused: {}; nothing changed",
+                error.in_file(&args.file)
+            );
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+    run_admin(&args.target, AdminRequest::ReloadRules { name, text })
+}
+
+/// Sends an operator request and prints the answer: exit 1 when the node
 /// refused it. `--node` may name a client port: when the peer handshake
 /// fails there and the address answers `TOPOLOGY`, the request goes to
 /// that node's peer port instead.
@@ -312,8 +352,8 @@ fn run_admin(target: &AdminTarget, request: AdminRequest) -> anyhow::Result<Exit
         target.cluster_secret.as_deref(),
     ) {
         anyhow::bail!(
-            "membership requests must prove the cluster's secret: give the secret file the \
-             nodes were started with, --cluster-secret-file PATH (or --cluster-secret / \
+            "operator requests (add-node, remove-node, reload) must prove the cluster's \
+             secret: give the secret file the nodes were started with, --cluster-secret-file PATH (or --cluster-secret / \
              TOLLGATE_CLUSTER_SECRET)"
         );
     }

@@ -59,7 +59,7 @@ enum Command {
         #[arg(long)]
         pid: Option<i32>,
     },
-    /// Cluster tools (`tollgate cluster status|add-node|remove-node`).
+    /// Cluster tools (`tollgate cluster status|add-node|remove-node|reload`).
     #[command(subcommand)]
     Cluster(ClusterCommand),
 }
@@ -73,6 +73,10 @@ enum ClusterCommand {
     AddNode(cluster::AddNodeArgs),
     /// Remove a node from the cluster; its shards move to the others first.
     RemoveNode(cluster::RemoveNodeArgs),
+    /// Change the rules of every node: the file is checked by every node,
+    /// then committed, and every node switches to it (nothing changes
+    /// anywhere when a node refuses it).
+    Reload(cluster::ReloadArgs),
 }
 
 /// The `tollgate` binary's whole work: parses the command line, runs the
@@ -108,6 +112,7 @@ pub fn main() -> ExitCode {
         Command::Cluster(ClusterCommand::Status(args)) => cluster::status_command(&args),
         Command::Cluster(ClusterCommand::AddNode(args)) => cluster::add_node_command(&args),
         Command::Cluster(ClusterCommand::RemoveNode(args)) => cluster::remove_node_command(&args),
+        Command::Cluster(ClusterCommand::Reload(args)) => cluster::reload_command(&args),
         Command::Reload { pid_file, pid } => reload(pid_file.as_deref(), pid),
     };
     match result {

@@ -1,10 +1,13 @@
-//! `tollgate cluster add-node|remove-node`: the operator's side of run-time
-//! membership. The request goes to any member's *peer* port (the client
-//! port is unauthenticated by design, for divvy compatibility, so it cannot
-//! reshape the cluster); that node makes the next member list, pushes it to
-//! every node and says how many shards will move. The moves themselves run
-//! in the background on the shards' leaders; `tollgate cluster status` shows
-//! them. Like a peer, the command proves it holds the cluster secret first
+//! `tollgate cluster add-node|remove-node|reload`: the operator's side of
+//! run-time membership and cluster-wide rule changes. The request goes to
+//! any member's *peer* port (the client port is unauthenticated by design,
+//! for divvy compatibility, so it cannot reshape the cluster). For
+//! membership, that node makes the next member list, pushes it to every
+//! node and says how many shards will move; the moves themselves run in the
+//! background on the shards' leaders, and `tollgate cluster status` shows
+//! them. For a reload, that node has every member check the rule file's
+//! text, then commits it on all of them (`committed_rules.rs`). Like a peer,
+//! the command proves it holds the cluster secret first
 //! (`--cluster-secret-file`, or `TOLLGATE_CLUSTER_SECRET`).
 
 use super::auth::{self, PeerSecrets};

@@ -16,8 +16,6 @@ use std::sync::Arc;
 
 pub struct ClusterBackend {
     pub dp: Arc<DataPlane>,
-    /// The rules every node of the cluster serves.
-    pub rules_fingerprint: u64,
 }
 
 impl Backend for ClusterBackend {
@@ -54,30 +52,6 @@ impl Backend for ClusterBackend {
     fn name(&self) -> &'static str {
         "cluster"
     }
-
-    /// Every node must serve the same rules (peers compare fingerprints when
-    /// they connect), so a reload that would change this node's rules alone
-    /// is refused. Coordinated reload is future work (docs/cluster.md).
-    fn check_rules(
-        &self,
-        rules: &crate::rules::RuleSet,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        check_rules_fingerprint(self.rules_fingerprint, rules.fingerprint())
-    }
-}
-
-/// Refuses a rule set whose fingerprint is not the cluster's.
-pub fn check_rules_fingerprint(
-    cluster: u64,
-    reloaded: u64,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    if cluster == reloaded {
-        return Ok(());
-    }
-    Err(format!(
-        "cluster mode: the new rules (fingerprint {reloaded:016x}) differ from the rules the cluster runs with ({cluster:016x}); every node must serve identical rules and reloading them across the cluster is not supported yet: stop the nodes, change the rule file on every node, then start them again"
-    )
-    .into())
 }
 
 /// Answers `TOPOLOGY` with one JSON line (see [`super::status::Topology`]).
@@ -98,23 +72,5 @@ impl CommandExtension for TopologyCommand {
                 Err(error) => Reply::error(format!("cannot encode the topology: {error}")),
             }
         })))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::check_rules_fingerprint;
-
-    #[test]
-    fn a_reload_must_keep_the_cluster_rules() {
-        assert!(check_rules_fingerprint(0xabc, 0xabc).is_ok());
-        let error = check_rules_fingerprint(0xabc, 0xdef)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            error.contains("differ from the rules the cluster runs with"),
-            "{error}"
-        );
-        assert!(error.contains("not supported yet"), "{error}");
     }
 }

@@ -102,6 +102,12 @@ impl ClusterNode {
                 }
             }
         }
+        // A node behind on the rules (it was down during a reload, or
+        // starts from a new data dir) takes the committed set before it
+        // serves: it must never decide with another.
+        self.learn_rules(&reports).await.map_err(|why| {
+            ClusterError::Rules(format!("cannot take the cluster's rules: {why}"))
+        })?;
         *self.last_reports.lock() = reports.clone();
         let placement = self.target_placement();
         let mut initialized = 0;

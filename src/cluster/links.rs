@@ -26,6 +26,7 @@ mod reachability;
 
 use super::auth::{self, PeerSecrets};
 use super::codec;
+use super::committed_rules::ClusterRules;
 use super::dataplane::{DataPlane, DataStats, PeerOut};
 use super::storage::TollgateRaft;
 use super::wire::{Hello, NodeReport, PeerRequest, PeerResponse};
@@ -104,7 +105,7 @@ impl PeerLink {
     pub fn spawn(
         target: NodeId,
         addr: SocketAddr,
-        hello: Hello,
+        greeting: Greeting,
         secrets: Arc<PeerSecrets>,
         runtime: &tokio::runtime::Handle,
         data: Arc<DataPlane>,
@@ -122,7 +123,7 @@ impl PeerLink {
             LinkTarget {
                 id: target,
                 addr,
-                hello,
+                greeting,
                 secrets,
                 data,
                 beat: Duration::from_millis(beat_ms.max(1)),
@@ -168,10 +169,27 @@ fn fail_all(receiver: &mut mpsc::UnboundedReceiver<Call>, first: Option<Call>, e
 struct LinkTarget {
     id: NodeId,
     addr: SocketAddr,
-    hello: Hello,
+    greeting: Greeting,
     secrets: Arc<PeerSecrets>,
     data: Arc<DataPlane>,
     beat: Duration,
+}
+
+/// What a link says in its hello: this node's identity, and the rule set
+/// in force when it connects (a reload changes it).
+#[derive(Clone)]
+pub struct Greeting {
+    pub hello: Hello,
+    pub rules: Arc<ClusterRules>,
+}
+
+impl Greeting {
+    fn hello(&self) -> Hello {
+        Hello {
+            rules: self.rules.tag(),
+            ..self.hello.clone()
+        }
+    }
 }
 
 async fn run_link(
@@ -205,7 +223,12 @@ async fn run_link(
         }
         let connected = tokio::time::timeout(
             Duration::from_millis(CONNECT_TIMEOUT_MS),
-            connect(target.id, target.addr, &target.hello, &target.secrets),
+            connect(
+                target.id,
+                target.addr,
+                &target.greeting.hello(),
+                &target.secrets,
+            ),
         )
         .await
         .unwrap_or_else(|_| {
@@ -440,7 +463,7 @@ async fn serve_connection(
 /// shard group's membership names) and kept while the process runs.
 pub struct Links {
     links: RwLock<BTreeMap<NodeId, Arc<PeerLink>>>,
-    hello: Hello,
+    greeting: Greeting,
     runtime: tokio::runtime::Handle,
     /// Peers dialled somewhere other than their advertised peer address
     /// (`--peer-route`: NAT, tunnels, fault-injection proxies).
@@ -453,7 +476,7 @@ pub struct Links {
 
 impl Links {
     pub fn new(
-        hello: Hello,
+        greeting: Greeting,
         runtime: tokio::runtime::Handle,
         routes: BTreeMap<NodeId, SocketAddr>,
         secrets: Arc<PeerSecrets>,
@@ -462,7 +485,7 @@ impl Links {
     ) -> Links {
         Links {
             links: RwLock::default(),
-            hello,
+            greeting,
             runtime,
             routes,
             secrets,
@@ -491,7 +514,7 @@ impl Links {
                 let link = PeerLink::spawn(
                     peer,
                     addr,
-                    self.hello.clone(),
+                    self.greeting.clone(),
                     Arc::clone(&self.secrets),
                     &self.runtime,
                     Arc::clone(&self.data),

@@ -23,8 +23,11 @@
 //! - the node: `node` (replicas, reports, admin), `join`, `moves` (moving
 //!   shards, spreading leaders) planned by the pure [`plan`], `scan`
 //!   (batched scans of the store by shard for collections and syncs);
+//! - the rules: [`committed_rules`] (the rule set the cluster committed,
+//!   cluster-wide reloads, nodes behind taking the newest);
 //! - tools: [`status`] (topology, `cluster status`), [`admin`]
-//!   (`cluster add-node|remove-node`), [`client`] (straight to leaders).
+//!   (`cluster add-node|remove-node|reload`), [`client`] (straight to
+//!   leaders).
 //!
 //! See docs/cluster.md for the model, the data path and the guarantees.
 
@@ -33,6 +36,7 @@ pub mod auth;
 mod backend;
 pub mod client;
 pub mod codec;
+pub mod committed_rules;
 pub mod config;
 pub mod data_frames;
 mod dataplane;
@@ -212,6 +216,8 @@ pub enum ClusterError {
     Unauthenticated(String),
     #[error(transparent)]
     Disk(#[from] disk::DiskError),
+    #[error("{0}")]
+    Rules(String),
 }
 
 /// Who leads each shard, as far as this node knows: written by the shard
@@ -366,8 +372,34 @@ impl Cluster {
     pub fn backend(&self) -> Arc<dyn Backend> {
         Arc::new(backend::ClusterBackend {
             dp: Arc::clone(&self.node.dp),
-            rules_fingerprint: self.node.hello.rules_fingerprint,
         })
+    }
+
+    /// The rules this node must serve from the start when they are not its
+    /// rule file's: the set the cluster committed, from the data dir or
+    /// taken from peers while joining (`None`: the rule file's).
+    pub fn committed_rules(&self) -> Option<RuleSet> {
+        self.node.rules.take_undelivered()
+    }
+
+    /// Where the rule sets the cluster commits from now on go (the
+    /// engine's rule swap); called once the engine exists.
+    pub fn on_rules_committed(&self, sink: committed_rules::RulesSink) {
+        self.node.rules.attach(sink);
+    }
+
+    /// Commits the rule file `name` (its text) on every node: see
+    /// [`committed_rules`]. Blocks until done; `Err` says why nothing
+    /// changed (or why the answer did not come).
+    pub fn reload_rules(&self, name: String, text: String) -> Result<String, String> {
+        let (answer, outcome) = std::sync::mpsc::channel();
+        let node = Arc::clone(&self.node);
+        self.runtime.runtime().spawn(async move {
+            let _ = answer.send(node.reload_rules(name, text).await);
+        });
+        outcome
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|_| Err("the cluster-wide reload did not finish within 60 s".into()))
     }
 
     pub fn topology_command(&self) -> Arc<dyn CommandExtension> {
@@ -487,6 +519,7 @@ fn raft_config(args: &ClusterConfig) -> Result<Arc<openraft::Config>, ClusterErr
 pub fn start(
     args: &ClusterConfig,
     rules: &RuleSet,
+    strict_rules: bool,
     store: Arc<MemoryStore>,
     clock: Arc<dyn Clock>,
 ) -> Result<Option<Cluster>, ClusterError> {
@@ -511,7 +544,7 @@ pub fn start(
     let runtime = cluster_runtime.runtime();
     let hello = wire::Hello {
         node_id: id,
-        rules_fingerprint: rules.fingerprint(),
+        rules: committed_rules::RulesTag::initial(rules),
         layout_fingerprint: file.layout_fingerprint(),
         consistency: args.consistency.as_str().to_string(),
         boot_id: wire::new_boot_id(),
@@ -530,6 +563,11 @@ pub fn start(
         }
         None => (None, None),
     };
+    let persisted_rules = startup.as_ref().and_then(|s| s.meta.rules.clone());
+    let cluster_rules = Arc::new(
+        committed_rules::ClusterRules::new(rules, persisted_rules, strict_rules, disk.clone())
+            .map_err(ClusterError::Rules)?,
+    );
     let dp = Arc::new(dataplane::DataPlane::new(
         id,
         hello.boot_id,
@@ -548,7 +586,10 @@ pub fn start(
         },
     ));
     let links = Arc::new(links::Links::new(
-        hello.clone(),
+        links::Greeting {
+            hello: hello.clone(),
+            rules: Arc::clone(&cluster_rules),
+        },
         runtime.handle().clone(),
         routes,
         Arc::clone(&secrets),
@@ -574,6 +615,7 @@ pub fn start(
                 shard_moves_max: args.shard_moves_max,
                 leader_balance: args.leader_balance,
                 startup,
+                rules: cluster_rules,
             },
         ));
         tokio::spawn(Arc::clone(&dp).run_replicator());

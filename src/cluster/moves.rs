@@ -65,6 +65,11 @@ impl ClusterNode {
             self.report_times
                 .lock()
                 .extend(answered.keys().map(|&peer| (peer, now)));
+            if let Err(why) = self.learn_rules(&answered).await {
+                if self.rules.warn_now() {
+                    tracing::warn!("cannot take the cluster's newer rules yet: {why}");
+                }
+            }
             self.last_reports.lock().extend(answered);
         }
     }

@@ -7,6 +7,7 @@
 //! (`moves.rs`, planned by the pure `plan.rs`), the peer port
 //! (`peer_server.rs`), the data path (`dataplane.rs`, `forward.rs`).
 
+use super::committed_rules::ClusterRules;
 use super::config::NodeAddresses;
 use super::dataplane::DataPlane;
 use super::disk::meta::{MetaRecord, ShardMeta};
@@ -82,6 +83,8 @@ pub struct ClusterNode {
     members_source: Mutex<String>,
     /// Collections and syncs share scans of the store (see `scan.rs`).
     pub(super) scans: Arc<ShardScans>,
+    /// The committed rule set this node serves (see `committed_rules.rs`).
+    pub rules: Arc<ClusterRules>,
 }
 
 /// Settings of a node beyond its data plane.
@@ -91,6 +94,8 @@ pub struct NodeSettings {
     pub leader_balance: bool,
     /// What the data dir held at start-up (`None`: no data dir).
     pub startup: Option<Startup>,
+    /// The committed rule set, as the node starts with it.
+    pub rules: Arc<ClusterRules>,
 }
 
 impl ClusterNode {
@@ -142,6 +147,7 @@ impl ClusterNode {
             persisted: Mutex::new(persisted),
             members_source: Mutex::new(members_source),
             scans: Arc::default(),
+            rules: settings.rules,
             file,
         };
         node.ensure_member_links();
@@ -335,6 +341,7 @@ impl ClusterNode {
             shards,
             members: (*self.members()).clone(),
             stats: NodeStats::read(&self.dp.stats),
+            rules: self.rules.tag(),
         }
     }
 
@@ -548,7 +555,16 @@ impl ClusterNode {
         );
     }
 
-    /// Serves `tollgate cluster add-node|remove-node`.
+    /// This node's hello as it would say it now (the rule set in force
+    /// changes on reloads).
+    pub fn current_hello(&self) -> Hello {
+        Hello {
+            rules: self.rules.tag(),
+            ..self.hello.clone()
+        }
+    }
+
+    /// Serves `tollgate cluster add-node|remove-node|reload`.
     pub async fn admin(&self, request: AdminRequest) -> Result<String, String> {
         let current = self.members();
         let (next, what) = match request {
@@ -556,6 +572,9 @@ impl ClusterNode {
                 let next = current.with_node(id, addresses.clone(), self.id)?;
                 self.check_newcomer(id, &addresses).await?;
                 (next, format!("node {id} added"))
+            }
+            AdminRequest::ReloadRules { name, text } => {
+                return self.reload_rules(name, text).await;
             }
             AdminRequest::RemoveNode { id } => {
                 let next = current.without_node(id, self.id)?;

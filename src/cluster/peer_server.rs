@@ -1,10 +1,11 @@
 //! The peer port: every connection proves the cluster secret (`auth.rs`),
-//! then says hello (a node whose rules, layout or consistency differ is
-//! refused), then streams frames. Data frames are handled inline, in order,
-//! on the connection's task (`dataplane.rs`); control requests run as tasks
-//! of their own (Raft RPCs may wait) and are answered on the same
-//! connection by one writer. Anything heard from a peer counts as a sign of
-//! life for the failure detector.
+//! then says hello (a node whose layout or consistency differs, or whose
+//! rules differ at the same committed rules version, is refused), then
+//! streams frames. Data frames are handled inline, in order, on the
+//! connection's task (`dataplane.rs`); control requests run as tasks of
+//! their own (Raft RPCs may wait) and are answered on the same connection
+//! by one writer. Anything heard from a peer counts as a sign of life for
+//! the failure detector.
 
 use super::auth::{self, PeerSecrets};
 use super::codec;
@@ -66,11 +67,24 @@ pub async fn serve_peers(listener: TcpListener, node: Arc<ClusterNode>, secrets:
 }
 
 /// Checks a peer's hello against ours; `Err` says why it is refused.
+///
+/// Rules: two nodes serving the same committed version must serve the
+/// same rules (at version 0, the rule files they started with must be
+/// identical). Nodes at different versions talk: the one behind takes the
+/// newer set from its peers (`committed_rules.rs`) before it serves, when
+/// it starts, or within a poll when it runs.
 fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), String> {
-    if theirs.rules_fingerprint != ours.rules_fingerprint {
+    let (mine, other) = (&ours.rules, &theirs.rules);
+    let same_version = (mine.version, mine.origin) == (other.version, other.origin);
+    if same_version && mine.fingerprint != other.fingerprint {
+        let remedy = if mine.version == 0 {
+            "the rule file must be identical on every node when a cluster starts (change rules later with `tollgate cluster reload FILE`)"
+        } else {
+            "two nodes disagree on a committed rule set"
+        };
         return Err(format!(
-            "rules differ: node {} has rules fingerprint {:016x}, node {} has {:016x}; the rule file must be identical on every node",
-            theirs.node_id, theirs.rules_fingerprint, ours.node_id, ours.rules_fingerprint
+            "rules differ: node {} has rules fingerprint {:016x}, node {} has {:016x} (both at rules version {}); {remedy}",
+            theirs.node_id, other.fingerprint, ours.node_id, mine.fingerprint, mine.version
         ));
     }
     if theirs.layout_fingerprint != ours.layout_fingerprint {
@@ -123,7 +137,7 @@ async fn serve_peer(
             }
             return;
         }
-        PeerRequest::Hello(hello) => match check_hello(&node.hello, &hello) {
+        PeerRequest::Hello(hello) => match check_hello(&node.current_hello(), &hello) {
             Ok(()) => {
                 if codec::encode_frame(&mut out, id, &PeerResponse::Hello(node.report())).is_err()
                     || write_half.write_all(&out).await.is_err()
@@ -251,5 +265,44 @@ async fn handle(node: &Arc<ClusterNode>, request: PeerRequest) -> PeerResponse {
             },
         },
         PeerRequest::Admin(request) => PeerResponse::Admin(node.admin(request).await),
+        PeerRequest::RulesPrepare(record) => PeerResponse::RulesChecked(node.rules.check(&record)),
+        PeerRequest::RulesCommit(record) => PeerResponse::RulesChecked(node.rules.commit(&record)),
+        PeerRequest::Rules => PeerResponse::Rules(node.rules.record()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_hello;
+    use crate::cluster::committed_rules::RulesTag;
+    use crate::cluster::wire::Hello;
+
+    fn hello(node_id: u64, version: u64, fingerprint: u64) -> Hello {
+        Hello {
+            node_id,
+            rules: RulesTag {
+                version,
+                origin: u64::from(version > 0),
+                fingerprint,
+            },
+            layout_fingerprint: 1,
+            consistency: "strict".into(),
+            boot_id: 1,
+        }
+    }
+
+    #[test]
+    fn rules_must_agree_only_at_the_same_version() {
+        assert!(check_hello(&hello(1, 0, 7), &hello(2, 0, 7)).is_ok());
+        let error = check_hello(&hello(1, 0, 7), &hello(2, 0, 8)).unwrap_err();
+        assert!(
+            error.contains("rules differ") && error.contains("identical on every node"),
+            "{error}"
+        );
+        // A node behind (or ahead) talks, and takes the newer set.
+        assert!(check_hello(&hello(1, 2, 7), &hello(2, 0, 8)).is_ok());
+        assert!(check_hello(&hello(1, 0, 7), &hello(2, 3, 9)).is_ok());
+        let error = check_hello(&hello(1, 2, 7), &hello(2, 2, 8)).unwrap_err();
+        assert!(error.contains("committed rule set"), "{error}");
     }
 }

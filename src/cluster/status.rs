@@ -4,6 +4,7 @@
 //! clients can go straight to leaders) and printed as tables by
 //! `tollgate cluster status`.
 
+use super::committed_rules::RulesTag;
 use super::node::{ClusterNode, STATUS_TIMEOUT_MS};
 use super::wire::NodeReport;
 use super::NodeId;
@@ -26,6 +27,10 @@ pub struct TopologyNode {
     /// Its data-path counters since it started.
     #[serde(default)]
     pub stats: Option<super::wire::NodeStats>,
+    /// The committed rule set it serves (docs/cluster.md, "Cluster-wide
+    /// reload").
+    #[serde(default)]
+    pub rules: Option<RulesTag>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +120,7 @@ pub async fn gather(node: &ClusterNode) -> Topology {
                 up: report.is_some(),
                 live_keys: report.map(|r| r.live_keys),
                 stats: report.map(|r| r.stats.clone()),
+                rules: report.map(|r| r.rules),
             }
         })
         .collect();
@@ -175,6 +181,28 @@ pub async fn gather(node: &ClusterNode) -> Topology {
 }
 
 /// Renders the topology as the tables `tollgate cluster status` prints.
+/// `rules: version 2 (…) on every node up`, or each node's when they
+/// differ (a node behind takes the newest within a poll).
+fn render_rules(nodes: &[TopologyNode]) -> String {
+    let tags: Vec<(NodeId, RulesTag)> = nodes
+        .iter()
+        .filter_map(|node| Some((node.id, node.rules?)))
+        .collect();
+    match tags.first() {
+        None => "rules: unknown (no node answered)".to_string(),
+        Some((_, first)) if tags.iter().all(|(_, tag)| tag == first) => {
+            format!("rules: {} on every node up", first.describe())
+        }
+        Some(_) => {
+            let each: Vec<String> = tags
+                .iter()
+                .map(|(id, tag)| format!("node {id} {}", tag.describe()))
+                .collect();
+            format!("rules: switching: {}", each.join("; "))
+        }
+    }
+}
+
 pub fn render(topology: &Topology) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -190,6 +218,7 @@ pub fn render(topology: &Topology) -> String {
     if !topology.members_source.is_empty() {
         let _ = writeln!(out, "members from {}", topology.members_source);
     }
+    let _ = writeln!(out, "{}", render_rules(&topology.nodes));
     let _ = writeln!(
         out,
         "\nNODE  STATE  CLIENT                 PEER                   LIVE_KEYS  LEADS"

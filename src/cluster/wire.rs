@@ -1,13 +1,15 @@
 //! The messages nodes exchange on the peer port. Every connection opens with
-//! a [`Hello`] (identity and fingerprints, so nodes with different rules or
-//! cluster files refuse each other), then carries control requests and
-//! responses correlated by request id, many in flight at once (Raft RPCs of
-//! every shard group, status queries, counter collections and syncs,
-//! membership), and data frames (forwarded hits, answers, replication rounds,
-//! acks). Control messages are encoded by [`codec`](super::codec), data
-//! frames by [`data_frames`](super::data_frames); the types both share
-//! (decisions, refusals) are defined here.
+//! a [`Hello`] (identity, the rule set in force and fingerprints, so nodes
+//! with different rules or cluster files refuse each other), then carries
+//! control requests and responses correlated by request id, many in flight
+//! at once (Raft RPCs of every shard group, status queries, counter
+//! collections and syncs, membership, rule sets), and data frames
+//! (forwarded hits, answers, replication rounds, acks). Control messages are
+//! encoded by [`codec`](super::codec), data frames by
+//! [`data_frames`](super::data_frames); the types both share (decisions,
+//! refusals) are defined here.
 
+use super::committed_rules::{RulesRecord, RulesTag};
 use super::config::NodeAddresses;
 use super::members::Members;
 use super::storage::TollgateRaft;
@@ -100,7 +102,8 @@ pub type CounterList = Vec<(Vec<u8>, CounterState)>;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     pub node_id: NodeId,
-    pub rules_fingerprint: u64,
+    /// The committed rule set this node serves (see `committed_rules.rs`).
+    pub rules: RulesTag,
     /// The `[cluster]` layout's fingerprint (shards, replicas).
     pub layout_fingerprint: u64,
     pub consistency: String,
@@ -202,6 +205,8 @@ pub struct NodeReport {
     /// The newest member list this node knows.
     pub members: Members,
     pub stats: NodeStats,
+    /// The committed rule set this node serves.
+    pub rules: RulesTag,
 }
 
 /// Operator requests (`tollgate cluster add-node|remove-node`), accepted on
@@ -214,6 +219,12 @@ pub enum AdminRequest {
     },
     RemoveNode {
         id: NodeId,
+    },
+    /// `tollgate cluster reload FILE`: commit this rule file's text on
+    /// every node (`name` is the file's name; its extension says the format).
+    ReloadRules {
+        name: String,
+        text: String,
     },
 }
 
@@ -255,6 +266,12 @@ pub enum PeerRequest {
     },
     /// An operator request; may open a connection instead of a hello.
     Admin(AdminRequest),
+    /// A reload's first step: could this node serve these rules?
+    RulesPrepare(RulesRecord),
+    /// A reload's second step: the rules are committed, serve them.
+    RulesCommit(RulesRecord),
+    /// The committed rule set this node serves (for a node behind).
+    Rules,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -271,6 +288,10 @@ pub enum PeerResponse {
     Electing,
     /// The outcome of an operator request, said for the operator.
     Admin(Result<String, String>),
+    /// The answer to `RulesPrepare` or `RulesCommit` (`Err`: why not).
+    RulesChecked(Result<(), String>),
+    /// The answer to `Rules` (`None`: version 0, the rule files).
+    Rules(Option<RulesRecord>),
     /// The request was not served (mismatched hello, unknown shard, a
     /// recovering replica declining a vote); the text says why.
     Refused(String),

@@ -182,25 +182,50 @@ pub fn load_json(text: &str) -> Result<Loaded, ConfigError> {
 /// Reads a `.ini` or `.json` rule file, by its extension.
 pub fn check_file(path: &Path) -> Checked {
     let display = path.display().to_string();
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(reason) => {
-            return refused(ConfigError::Io {
-                path: display,
-                reason,
+    match std::fs::read_to_string(path) {
+        Ok(text) => check_text(&display, &text),
+        Err(reason) => refused(ConfigError::Io {
+            path: display,
+            reason,
+        }),
+    }
+}
+
+/// Checks the text of a rule file named `name` (its extension says the
+/// format, as for [`check_file`]); the rules' source is `name`. Cluster
+/// nodes check a reloaded file's text this way, wherever the file lives.
+pub fn check_text(name: &str, text: &str) -> Checked {
+    let extension = Path::new(name)
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("");
+    let mut checked = match extension.to_ascii_lowercase().as_str() {
+        "ini" => check_ini(text),
+        "json" => check_json(text),
+        _ => {
+            return refused(ConfigError::UnknownFormat {
+                path: name.to_string(),
             })
         }
     };
-    let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    let mut checked = match extension.to_ascii_lowercase().as_str() {
-        "ini" => check_ini(&text),
-        "json" => check_json(&text),
-        _ => return refused(ConfigError::UnknownFormat { path: display }),
-    };
     if let Ok(rules) = &mut checked.rules {
-        rules.source = display;
+        rules.source = name.to_string();
     }
     checked
+}
+
+/// Loads the text of a rule file named `name` (see [`check_text`]): with
+/// `strict` (`--strict-rules`), keys divvy would ignore refuse the file;
+/// otherwise they come back as warnings, for the caller to log.
+pub fn load_text(name: &str, text: &str, strict: bool) -> Result<Loaded, ConfigError> {
+    let loaded = check_text(name, text).into_loaded()?;
+    if strict {
+        return loaded.strict().map(|rules| Loaded {
+            rules,
+            warnings: Vec::new(),
+        });
+    }
+    Ok(loaded)
 }
 
 pub fn check_ini(text: &str) -> Checked {

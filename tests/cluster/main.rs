@@ -1,7 +1,7 @@
 //! Real multi-node clusters of `tollgate` processes on loopback: replication,
 //! failover, partitions (through fault-injection proxies), membership changes
 //! and moving shards without errors,
-//! rolling restarts, full restarts from data dirs, chaos, the peer port's authentication, and what an
+//! rolling restarts, full restarts from data dirs, cluster-wide rule reloads, chaos, the peer port's authentication, and what an
 //! operator watches and types (readiness, metrics, the membership commands),
 //! Envoy's gRPC calls on any node
 //! (`cluster_support` starts and stops them; every wait is bounded).
@@ -23,4 +23,5 @@ mod test_moves;
 mod test_operator;
 mod test_partition;
 mod test_persist;
+mod test_reload;
 mod test_rolling;

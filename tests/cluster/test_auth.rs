@@ -109,7 +109,7 @@ fn a_stranger_without_the_handshake_gets_nothing_and_changes_nothing() {
         0,
         &PeerRequest::Hello(Hello {
             node_id: 2,
-            rules_fingerprint: 0,
+            rules: Default::default(),
             layout_fingerprint: 0,
             consistency: "strict".into(),
             boot_id: 1,

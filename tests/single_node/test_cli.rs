@@ -347,7 +347,7 @@ fn usage_and_startup_errors_snapshot() {
         (
             vec!["cluster", "remove-node", "3", "--node", "127.0.0.1:9"],
             1,
-            "tollgate: membership requests must prove the cluster's secret: give the secret file the nodes were started with, --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET)".into(),
+            "tollgate: operator requests (add-node, remove-node, reload) must prove the cluster's secret: give the secret file the nodes were started with, --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET)".into(),
         ),
         (
             vec!["reload"],

@@ -3,8 +3,9 @@
 //! safe: each shard group's Raft vote, log entries (membership and blank
 //! entries only), committed and applied ids, membership and snapshot meta;
 //! each shard's *fence* (the highest term promised, which must never go
-//! backwards, or a deposed leader's states could be accepted); and the
-//! member list after `cluster add-node|remove-node`.
+//! backwards, or a deposed leader's states could be accepted); the member
+//! list after `cluster add-node|remove-node`; and the rule set the cluster
+//! last committed (a restarted node serves it, not its rule file).
 //!
 //! Each change is one record ([`MetaRecord`], bincode), written with one
 //! `write(2)` before the change is acted on (a vote answered, a promise
@@ -14,6 +15,7 @@
 
 use super::records;
 use super::FsyncPolicy;
+use crate::cluster::committed_rules::RulesRecord;
 use crate::cluster::members::Members;
 use crate::cluster::storage::RaftEntry;
 use crate::cluster::NodeId;
@@ -72,6 +74,8 @@ pub enum MetaRecord {
     Retire {
         shard: u32,
     },
+    /// The cluster committed this rule set (see `committed_rules.rs`).
+    Rules(RulesRecord),
 }
 
 /// What the metadata log says about one shard's replica.
@@ -102,6 +106,8 @@ impl ShardMeta {
 pub struct MetaState {
     pub members: Option<Members>,
     pub shards: BTreeMap<u32, ShardMeta>,
+    /// The newest rule set the cluster committed, as this node took it.
+    pub rules: Option<RulesRecord>,
 }
 
 impl MetaState {
@@ -149,6 +155,15 @@ impl MetaState {
             MetaRecord::Retire { shard } => {
                 self.shards.remove(&shard);
             }
+            MetaRecord::Rules(record) => {
+                if self
+                    .rules
+                    .as_ref()
+                    .is_none_or(|held| record.tag.supersedes(&held.tag))
+                {
+                    self.rules = Some(record);
+                }
+            }
         }
     }
 
@@ -161,6 +176,9 @@ impl MetaState {
         let mut out = Vec::new();
         if let Some(members) = &self.members {
             out.push(MetaRecord::Members(members.clone()));
+        }
+        if let Some(rules) = &self.rules {
+            out.push(MetaRecord::Rules(rules.clone()));
         }
         for (&shard, meta) in &self.shards {
             if let Some(vote) = meta.vote {
@@ -385,6 +403,8 @@ mod tests {
             })
             .unwrap();
             log.append(MetaRecord::Retire { shard: 9 }).unwrap();
+            log.append(MetaRecord::Rules(rules_record(2))).unwrap();
+            log.append(MetaRecord::Rules(rules_record(1))).unwrap();
             // Enough records to force a rewrite.
             for term in 0..(COMPACT_AFTER_RECORDS + 10) {
                 log.append(MetaRecord::Fence { shard: 1, term }).unwrap();
@@ -399,6 +419,23 @@ mod tests {
         assert!(seven.established());
         assert_eq!(load.state.shards[&1].fence, COMPACT_AFTER_RECORDS + 9);
         assert!(!load.state.shards.contains_key(&9));
+        assert_eq!(
+            load.state.rules,
+            Some(rules_record(2)),
+            "the newest rule set is kept, through a rewrite"
+        );
+    }
+
+    fn rules_record(version: u64) -> RulesRecord {
+        RulesRecord {
+            tag: crate::cluster::committed_rules::RulesTag {
+                version,
+                origin: 1,
+                fingerprint: version * 7,
+            },
+            name: "rules.ini".into(),
+            text: format!("; version {version}\n"),
+        }
     }
 
     /// A log holding fences of term 9 for shards 2 and 3; its path.
