@@ -110,10 +110,10 @@ pub struct DataPlane {
     /// they are acknowledged (see `disk/mod.rs`).
     pub disk: Option<Arc<NodeDisk>>,
     replicas: Box<[ArcSwapOption<Replica>]>,
-    outs: RwLock<HashMap<NodeId, Arc<PeerOut>>>,
+    outs: RwLock<HashMap<NodeId, Arc<PeerOut>, ahash::RandomState>>,
     pub(super) round: Mutex<RoundBuilder>,
     pub(super) in_flight: Mutex<InFlight>,
-    forwards: Mutex<HashMap<u64, ForwardWait>>,
+    forwards: Mutex<HashMap<u64, ForwardWait, ahash::RandomState>>,
     next_batch: AtomicU64,
     /// Wakes the replicator.
     pub(super) replicate: Notify,

@@ -13,13 +13,26 @@ use super::rounds::{Ended, SectionEnd, SentSection, Waiter};
 use super::wire::WireDecision;
 use super::NodeId;
 use smallvec::SmallVec;
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Answers for slots of one read batch's board.
 type BoardAnswers = (Arc<SlotBoard>, Vec<(u32, WireDecision)>);
+
+/// The answers one release sends a node that forwarded hits.
+struct RemoteAnswers {
+    peer: NodeId,
+    /// The incarnation of the node that forwarded them.
+    boot: u64,
+    /// An ANSWERS section, begun at `at`.
+    bytes: Vec<u8>,
+    at: usize,
+    count: u32,
+}
+
+/// Room for a release's answers to one node when its first is added.
+const REMOTE_ANSWERS_BYTES_INITIAL: usize = 512;
 
 impl DataPlane {
     /// Answers the waiters of sections that ended; in fast mode a section
@@ -28,7 +41,11 @@ impl DataPlane {
         if ended.is_empty() {
             return;
         }
-        let mut remote: HashMap<(NodeId, u64), (Vec<u8>, usize, u32)> = HashMap::new();
+        // Per forwarding node (and its incarnation): its ANSWERS section, the
+        // section's start, and how many answers it holds. A few peers: a
+        // linear search, starting from the last one found.
+        let mut remote: SmallVec<[RemoteAnswers; 4]> = SmallVec::new();
+        let mut last_remote = 0;
         let mut local: Vec<BoardAnswers> = Vec::new();
         for section in ended {
             if let Some(replica) = self.replica(section.shard) {
@@ -79,16 +96,30 @@ impl DataPlane {
                         index,
                         decision,
                     } => {
-                        let (bytes, at, count) = remote.entry((peer, boot)).or_insert_with(|| {
-                            let mut bytes = Vec::new();
+                        let found = match remote.get(last_remote) {
+                            Some(r) if (r.peer, r.boot) == (peer, boot) => Some(last_remote),
+                            _ => remote.iter().position(|r| (r.peer, r.boot) == (peer, boot)),
+                        };
+                        last_remote = found.unwrap_or_else(|| {
+                            let mut bytes = Vec::with_capacity(REMOTE_ANSWERS_BYTES_INITIAL);
                             let at = begin_counted(&mut bytes, tag::ANSWERS, &[boot]);
-                            (bytes, at, 0)
+                            remote.push(RemoteAnswers {
+                                peer,
+                                boot,
+                                bytes,
+                                at,
+                                count: 0,
+                            });
+                            remote.len() - 1
                         });
-                        put_varint(bytes, batch);
-                        put_varint(bytes, u64::from(index));
-                        put_decision(bytes, &section.end.answer(section.shard, decision));
-                        *count += 1;
-                        let _ = at;
+                        let answers = &mut remote[last_remote];
+                        put_varint(&mut answers.bytes, batch);
+                        put_varint(&mut answers.bytes, u64::from(index));
+                        put_decision(
+                            &mut answers.bytes,
+                            &section.end.answer(section.shard, decision),
+                        );
+                        answers.count += 1;
                     }
                 }
             }
@@ -96,13 +127,16 @@ impl DataPlane {
         for (board, answers) in local {
             board.fill_many(answers);
         }
-        for ((peer, boot), (mut bytes, at, count)) in remote {
-            end_counted(&mut bytes, at, count);
-            let out = self.out(peer);
-            if out.peer_boot() != boot {
+        for mut answers in remote {
+            end_counted(&mut answers.bytes, answers.at, answers.count);
+            let out = self.out(answers.peer);
+            if out.peer_boot() != answers.boot {
                 continue; // The peer restarted since: nobody waits for these.
             }
-            if out.append(|body| body.extend_from_slice(&bytes)).is_some() {
+            if out
+                .append(|body| body.extend_from_slice(&answers.bytes))
+                .is_some()
+            {
                 out.wake.notify_one();
             }
         }
