@@ -12,6 +12,7 @@ use super::config::NodeAddresses;
 use super::members::Members;
 use super::storage::TollgateRaft;
 use super::NodeId;
+use crate::limiter::droplet_bucket::{TakeOutcome, PERIOD_COUNT};
 use crate::limiter::{CounterState, Decision};
 use openraft::error::{InstallSnapshotError, RaftError};
 use openraft::raft::{
@@ -64,6 +65,38 @@ pub enum WireDecision {
     /// leader fenced by a newer one, a link down before sending): the
     /// sender may send it again to the shard's leader.
     Retry { shard: u32, why: ShardRefusal },
+    /// A droplet bucket's take or query, decided: droplet's answer (each
+    /// period's balance, `None` for the periods not reported).
+    Bucket {
+        accept: bool,
+        balances: [Option<i32>; PERIOD_COUNT],
+    },
+}
+
+/// What a decided op answers, as a waiter keeps it until its commit: a
+/// rule's hit or a droplet bucket's take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Hit(Decision),
+    Bucket(TakeOutcome),
+}
+
+impl From<Decision> for Answer {
+    fn from(decision: Decision) -> Answer {
+        Answer::Hit(decision)
+    }
+}
+
+impl From<Answer> for WireDecision {
+    fn from(answer: Answer) -> WireDecision {
+        match answer {
+            Answer::Hit(decision) => decision.into(),
+            Answer::Bucket(outcome) => WireDecision::Bucket {
+                accept: outcome.accept,
+                balances: outcome.balances.0,
+            },
+        }
+    }
 }
 
 impl WireDecision {
