@@ -23,10 +23,10 @@ use super::forward::ClusterBatch;
 use super::rounds::Waiter;
 use super::wire::{Answer, ShardRefusal, WireDecision};
 use super::NodeId;
-use crate::droplet::{BucketCall, BucketResults, SharedBuckets};
 use crate::limiter::droplet_bucket::replicated::{take_cells, Cells};
 use crate::limiter::droplet_bucket::{query, TakeOutcome, TakeRequest, PERIOD_COUNT};
 use crate::limiter::CounterState;
+use crate::store::{BucketCall, BucketResults, SharedBuckets};
 use crate::store::{MemoryStore, StoreFull};
 use futures_util::future::BoxFuture;
 use parking_lot::Mutex;
@@ -205,8 +205,8 @@ impl DataPlane {
     }
 }
 
-/// droplet's buckets as the cluster keeps them (what [`crate::droplet`]
-/// calls in cluster mode).
+/// droplet's buckets as the cluster keeps them (what the droplet endpoint
+/// and the `TAKE`/`QUERY` lines call in cluster mode).
 pub struct ClusterBuckets {
     pub dp: Arc<DataPlane>,
 }

@@ -374,7 +374,7 @@ impl Cluster {
     }
 
     /// droplet's buckets as this cluster keeps them (sharded, replicated).
-    pub fn buckets(&self) -> Arc<dyn crate::droplet::SharedBuckets> {
+    pub fn buckets(&self) -> Arc<dyn crate::store::SharedBuckets> {
         Arc::new(buckets::ClusterBuckets {
             dp: Arc::clone(&self.node.dp),
         })

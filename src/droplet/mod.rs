@@ -21,11 +21,11 @@ pub mod server;
 use crate::clock::Clock;
 use crate::limiter::droplet_bucket::{self, Balances, BucketState, TakeOutcome, TakeRequest};
 use crate::store::{MemoryStoreConfig, StoreFull, StoredState, StripedStore};
-use futures_util::future::BoxFuture;
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+pub use crate::store::{BucketCall, BucketResults, SharedBuckets};
 pub use lines::LineCommands;
 pub use server::{DropletProtocol, DropletServer, DropletServerConfig, RunningDroplet};
 
@@ -112,35 +112,6 @@ impl From<StoreFull> for BucketsFull {
             buckets_max: full.live_keys_max,
         }
     }
-}
-
-/// One droplet request for [`SharedBuckets`].
-#[derive(Debug, Clone, Copy)]
-pub enum BucketCall<'a> {
-    Take {
-        bucket: &'a [u8],
-        request: TakeRequest,
-    },
-    /// Answered as a take that is accepted and reports every configured
-    /// period (none for a bucket that does not exist).
-    Query { bucket: &'a [u8] },
-}
-
-/// The answers to a list of [`BucketCall`]s, in order; an error is the
-/// reason the bucket could not be reached (`shard N unavailable: …`).
-pub type BucketResults = Vec<Result<TakeOutcome, String>>;
-
-/// Buckets kept elsewhere than in this node's memory (the cluster's), which
-/// answer later.
-pub trait SharedBuckets: Send + Sync + 'static {
-    /// Decides `calls` in order; never hangs (a bucket that cannot be
-    /// reached is an error within the cluster's forward timeout).
-    fn decide(
-        &self,
-        calls: &[BucketCall<'_>],
-        cleanup_interval_ms: u64,
-        now_ms: u64,
-    ) -> BoxFuture<'static, BucketResults>;
 }
 
 /// Every bucket, keyed by its name's bytes.
