@@ -167,7 +167,7 @@ impl SlotBoard {
     }
 
     /// Every slot's final answer; pending ones had no answer in time.
-    fn finish(&self, timeout_ms: u64) -> Vec<Result<Answer, BackendError>> {
+    fn finish<T>(&self, timeout_ms: u64, as_wanted: AsWanted<T>) -> Vec<T> {
         let inner = self.inner.lock();
         inner
             .slots
@@ -182,6 +182,7 @@ impl SlotBoard {
                     WireDecision::describe(slot.shard, why),
                 )),
             })
+            .map(as_wanted)
             .collect()
     }
 }
@@ -433,7 +434,7 @@ impl ClusterBatch {
         self: Box<Self>,
     ) -> BoxFuture<'static, Vec<Result<Answer, BackendError>>> {
         let deadline = Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms);
-        match self.submit_until(deadline) {
+        match self.submit_until(deadline, std::convert::identity) {
             Some(answers) => answers,
             None => Box::pin(async { Vec::new() }),
         }
@@ -459,10 +460,11 @@ impl ClusterBatch {
         waits
     }
 
-    fn submit_until(
+    fn submit_until<T: Send + 'static>(
         self: Box<Self>,
         deadline: Instant,
-    ) -> Option<BoxFuture<'static, Vec<Result<Answer, BackendError>>>> {
+        as_wanted: AsWanted<T>,
+    ) -> Option<BoxFuture<'static, Vec<T>>> {
         let ClusterBatch {
             dp,
             slots,
@@ -505,7 +507,7 @@ impl ClusterBatch {
                 }
             }
         }
-        Some(Box::pin(wait_for_answers(dp, board, deadline)))
+        Some(Box::pin(wait_for_answers(dp, board, deadline, as_wanted)))
     }
 }
 
@@ -527,11 +529,12 @@ fn decided(state: &LocalState, board: Option<&Arc<SlotBoard>>) -> DecidedState {
 
 /// Waits for a board's answers, routing hits that were not decided again
 /// until `deadline`.
-async fn wait_for_answers(
+async fn wait_for_answers<T>(
     dp: Arc<DataPlane>,
     board: Arc<SlotBoard>,
     deadline: Instant,
-) -> Vec<Result<Answer, BackendError>> {
+    as_wanted: AsWanted<T>,
+) -> Vec<T> {
     let timeout_ms = dp.settings.forward_timeout_ms;
     loop {
         let _ = tokio::time::timeout_at(deadline.into(), board.settled()).await;
@@ -551,7 +554,7 @@ async fn wait_for_answers(
             again.add(*shard, &op, now_ms);
             routed.push(*slot);
         }
-        let answers = match again.submit_until(deadline) {
+        let answers = match again.submit_until(deadline, std::convert::identity) {
             Some(waiting) => waiting.await,
             None => Vec::new(),
         };
@@ -559,8 +562,13 @@ async fn wait_for_answers(
             board.set(slot, SlotAnswer::Done(answer));
         }
     }
-    board.finish(timeout_ms)
+    board.finish(timeout_ms, as_wanted)
 }
+
+/// How a batch's caller wants each slot's answer: as it is (droplet's
+/// buckets) or as a rule's hit ([`hit_result`]); applied as the answers are
+/// gathered, so no list is built twice.
+type AsWanted<T> = fn(Result<Answer, BackendError>) -> T;
 
 /// A slot's answer as a rule's hit gets it (a bucket's answer never
 /// reaches a hit's slot; it would read as its accept alone).
@@ -626,9 +634,6 @@ impl OpBatch for ClusterBatch {
         let deadline = self.deadline.unwrap_or_else(|| {
             Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms)
         });
-        let answers = self.submit_until(deadline)?;
-        Some(Box::pin(async move {
-            answers.await.into_iter().map(hit_result).collect()
-        }))
+        self.submit_until(deadline, hit_result)
     }
 }

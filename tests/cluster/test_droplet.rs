@@ -93,10 +93,42 @@ fn the_published_droplet_client_gets_one_nodes_answers_from_a_cluster() {
 /// The bucket of the failover test: 60 tokens, refilled at 1 per second.
 const BUCKET_LIMIT_PER_MINUTE: u64 = 60;
 
+/// Fast mode: `--commit-timeout-ms` of the failover test.
+const FAST_COMMIT_TIMEOUT_MS: u64 = 400;
+
 #[test]
 fn takes_on_every_node_share_one_bucket_through_a_leader_kill() {
+    takes_through_a_leader_kill(&[], None);
+}
+
+/// Fast mode forgets at most what the killed leader admitted and had not
+/// replicated: the takes answered in the window docs/cluster.md bounds
+/// (from a replication interval and two commit timeouts before the kill to
+/// a commit timeout after it).
+#[test]
+fn fast_mode_forgets_at_most_the_takes_around_a_leader_kill() {
+    let commit_timeout = FAST_COMMIT_TIMEOUT_MS.to_string();
+    let window = (
+        Duration::from_millis(5 + 2 * FAST_COMMIT_TIMEOUT_MS),
+        Duration::from_millis(FAST_COMMIT_TIMEOUT_MS),
+    );
+    takes_through_a_leader_kill(
+        &[
+            "--consistency",
+            "fast",
+            "--commit-timeout-ms",
+            &commit_timeout,
+        ],
+        Some(window),
+    );
+}
+
+/// `TAKE` lines on every node, the bucket's leader SIGKILLed mid-stream;
+/// asserts the bucket's bound, plus (fast mode) the takes admitted within
+/// `forgettable` (before, after) the kill.
+fn takes_through_a_leader_kill(args: &[&str], forgettable: Option<(Duration, Duration)>) {
     let _one = exclusive();
-    let mut cluster = TestCluster::start(3, SHARDS, &[]);
+    let mut cluster = TestCluster::start(3, SHARDS, args);
     let bucket = "shared";
     let leader = leader_of_bucket(&cluster, bucket);
     let lines = Arc::new(vec![format!(
@@ -128,7 +160,13 @@ fn takes_on_every_node_share_one_bucket_through_a_leader_kill() {
     // the takes of one round would admit a few more at once.
     let refill_time = elapsed + Duration::from_millis(10);
     let refilled = refill_time.as_secs_f64() * BUCKET_LIMIT_PER_MINUTE as f64 / 60.0;
-    let bound = BUCKET_LIMIT_PER_MINUTE + refilled.floor() as u64;
+    let forgettable = forgettable.map_or(0, |(before, after)| {
+        hits.iter()
+            .filter(|h| h.answer == Answered::True)
+            .filter(|h| h.answered + before >= killed_at && h.answered <= killed_at + after)
+            .count() as u64
+    });
+    let bound = BUCKET_LIMIT_PER_MINUTE + refilled.floor() as u64 + forgettable;
     eprintln!(
         "{admitted} takes admitted in {elapsed:?} (bound {bound}); {} hits, leader {leader} killed at {:?}",
         hits.len(),
