@@ -369,12 +369,12 @@ impl ClusterBatch {
         query: bool,
         now_ms: u64,
     ) -> SlotAnswer {
-        let dp = Arc::clone(&self.dp);
-        let strict = dp.strict();
-        let decided = super::buckets::decide_on_replica(&dp, shard, key, bucket, query, now_ms);
+        let strict = self.dp.strict();
+        let decided =
+            super::buckets::decide_on_replica(&self.dp, shard, key, bucket, query, now_ms);
         let (answer, written, term) = match decided {
             Ok(decided) => decided,
-            Err(answer) => return answer_now(shard, answer),
+            Err(answer) => return result_of(shard, answer),
         };
         let Some(cells) = written else {
             return SlotAnswer::Done(Ok(Answer::Bucket(answer)));
@@ -581,11 +581,6 @@ fn hit_result(result: Result<Answer, BackendError>) -> Result<Decision, BackendE
             next_reset_seconds: 0,
         },
     })
-}
-
-/// A slot's answer for a decision that could not be made here.
-fn answer_now(shard: u32, decision: WireDecision) -> SlotAnswer {
-    result_of(shard, decision)
 }
 
 /// The cluster key of an op: the rule's counter id (computed once, when the

@@ -121,7 +121,9 @@ pub fn assert_droplet_answers(results: &Value) {
         results["after_10s_query"],
         json!({"ls": 10, "lm": 0, "lh": 0, "ld": 0, "lw": 0, "lo": 0})
     );
-    // Pipelined takes are answered in order.
+    // Pipelined takes are answered in order (from a per-minute bucket, whose
+    // refill, a token per 600 ms, real time cannot add in the middle of them
+    // on a cluster).
     assert_eq!(
         results["pipelined"],
         json!((80..100).rev().collect::<Vec<i64>>())
