@@ -3,7 +3,8 @@
 //! script, the same assertions: tests/util/droplet_node.rs), and `TAKE`
 //! lines sent to every node share one bucket, whose bound holds while the
 //! leader of its shard is SIGKILLed mid-stream (strict mode: nothing
-//! acknowledged is forgotten, so the new leader never refills the bucket).
+//! acknowledged is forgotten, so the new leader never refills the bucket),
+//! and buckets are kept in the data dirs across a full restart.
 
 use crate::cluster_support::*;
 use crate::droplet_node::{assert_droplet_answers, run_droplet_client};
@@ -215,5 +216,37 @@ fn takes_through_a_leader_kill(args: &[&str], forgettable: Option<(Duration, Dur
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("node {node} answered {answers:?}"));
         assert!(balance <= 5, "node {node} reads {balance} tokens left");
+    }
+}
+
+#[test]
+fn buckets_survive_a_full_restart_from_the_data_dirs() {
+    let _one = exclusive();
+    let mut cluster = TestCluster::start(3, SHARDS, &[]);
+    // Day and week limits: real time refills nothing visible meanwhile.
+    let buckets = ["kept-a", "kept-b", "kept-c", "kept-d"];
+    let takes: Vec<String> = buckets
+        .iter()
+        .map(|b| format!("TAKE bucket={b} ld=100 lw=1000 count=30"))
+        .collect();
+    let answers = converse(cluster.client(1), &takes);
+    assert_eq!(answers, vec!["OK true ld=70 lw=970"; buckets.len()]);
+    for id in 1..=3 {
+        cluster.stop(id, Duration::from_secs(15));
+    }
+    for id in 1..=3 {
+        cluster.spawn(id, None);
+    }
+    cluster.wait_healthy(Duration::from_secs(30));
+    let queries: Vec<String> = buckets
+        .iter()
+        .map(|b| format!("QUERY bucket={b}"))
+        .collect();
+    for node in 1..=3 {
+        assert_eq!(
+            converse(cluster.client(node), &queries),
+            vec!["OK true ld=70 lw=970"; buckets.len()],
+            "node {node}"
+        );
     }
 }
