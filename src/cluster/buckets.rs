@@ -174,7 +174,7 @@ impl DataPlane {
                 Err(answer) => return Some(answer),
             };
         let Some(cells) = written else {
-            return Some(Answer::Bucket(answer).into());
+            return Some(Answer::bucket(answer).into());
         };
         let strict = self.strict();
         let name = bucket_name(key).unwrap_or_default();
@@ -188,7 +188,7 @@ impl DataPlane {
                 boot,
                 batch,
                 index,
-                decision: Answer::Bucket(answer),
+                decision: Answer::bucket(answer),
             });
             decided.push((
                 at,
@@ -201,7 +201,7 @@ impl DataPlane {
                 },
             ));
         }
-        (!strict).then(|| Answer::Bucket(answer).into())
+        (!strict).then(|| Answer::bucket(answer).into())
     }
 }
 
@@ -236,7 +236,7 @@ impl SharedBuckets for ClusterBuckets {
                 .await
                 .into_iter()
                 .map(|answer| match answer {
-                    Ok(Answer::Bucket(outcome)) => Ok(outcome),
+                    Ok(Answer::Bucket(packed)) => Ok(packed.outcome()),
                     Ok(Answer::Hit(_)) => Err("a droplet request got a rule's answer".to_string()),
                     Err(error) => Err(error.to_string()),
                 })
@@ -248,6 +248,26 @@ impl SharedBuckets for ClusterBuckets {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::wire::BucketAnswer;
+    use crate::limiter::droplet_bucket::Balances;
+
+    #[test]
+    fn a_bucket_answer_packs_whole_and_small() {
+        for outcome in [
+            TakeOutcome {
+                accept: false,
+                balances: Balances([Some(-1), None, Some(i32::MAX), None, None, Some(i32::MIN)]),
+            },
+            TakeOutcome {
+                accept: true,
+                balances: Balances::default(),
+            },
+        ] {
+            assert_eq!(BucketAnswer::pack(outcome).outcome(), outcome);
+        }
+        // A strict hit's waiter keeps an Answer: no bigger than 32 bytes.
+        assert!(std::mem::size_of::<Answer>() <= 32);
+    }
 
     #[test]
     fn a_buckets_periods_share_a_shard_and_other_keys_keep_theirs() {

@@ -81,7 +81,7 @@ fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
             next_reset_seconds,
         }))),
         WireDecision::Bucket { accept, balances } => {
-            SlotAnswer::Done(Ok(Answer::Bucket(TakeOutcome {
+            SlotAnswer::Done(Ok(Answer::bucket(TakeOutcome {
                 accept,
                 balances: Balances(balances),
             })))
@@ -377,7 +377,7 @@ impl ClusterBatch {
             Err(answer) => return result_of(shard, answer),
         };
         let Some(cells) = written else {
-            return SlotAnswer::Done(Ok(Answer::Bucket(answer)));
+            return SlotAnswer::Done(Ok(Answer::bucket(answer)));
         };
         let name = super::buckets::bucket_name(key).unwrap_or_default();
         let last = cells.iter().rposition(Option::is_some);
@@ -391,13 +391,13 @@ impl ClusterBatch {
                 shard,
                 term,
                 state: CounterState::DropletPeriod(*cell),
-                wait: (strict && Some(period) == last).then_some((slot, Answer::Bucket(answer))),
+                wait: (strict && Some(period) == last).then_some((slot, Answer::bucket(answer))),
             });
         }
         if strict {
             SlotAnswer::Pending
         } else {
-            SlotAnswer::Done(Ok(Answer::Bucket(answer)))
+            SlotAnswer::Done(Ok(Answer::bucket(answer)))
         }
     }
 
@@ -575,8 +575,8 @@ type AsWanted<T> = fn(Result<Answer, BackendError>) -> T;
 fn hit_result(result: Result<Answer, BackendError>) -> Result<Decision, BackendError> {
     result.map(|answer| match answer {
         Answer::Hit(decision) => decision,
-        Answer::Bucket(outcome) => Decision {
-            allowed: outcome.accept,
+        Answer::Bucket(packed) => Decision {
+            allowed: packed.outcome().accept,
             credit: 0,
             next_reset_seconds: 0,
         },
