@@ -328,6 +328,9 @@ impl App {
             Arc::clone(&clock),
         )
         .map_err(AppError::Cluster)?;
+        if let Some(cluster) = &cluster {
+            buckets.share(cluster.buckets());
+        }
         let backend: Arc<dyn Backend> = match (&cluster, config.redis.backend) {
             (Some(cluster), _) => cluster.backend(),
             (None, BackendKind::Memory) => Arc::new(MemoryBackend {

@@ -41,8 +41,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First bytes of every peer connection.
 pub const MAGIC: [u8; 8] = *b"TGPEER\r\n";
-/// Version of the handshake (and of the peer protocol behind it).
-pub const VERSION: u8 = 1;
+/// Version of the handshake (and of the peer protocol behind it). 2: data
+/// frames carry droplet buckets (a forwarded op code, a decision code and a
+/// counter state of their own), which a node of version 1 cannot read.
+pub const VERSION: u8 = 2;
 /// Bytes of each side's random nonce.
 pub const NONCE_BYTES: usize = 32;
 /// Bytes of an HMAC-SHA256 proof.
@@ -553,16 +555,20 @@ mod tests {
 
     #[tokio::test]
     async fn wrong_version_is_refused() {
-        let (mut c, mut s) = duplex(1024);
-        let mut hello = MAGIC.to_vec();
-        hello.push(VERSION + 1);
-        hello.extend_from_slice(&[0u8; NONCE_BYTES]);
-        c.write_all(&hello).await.unwrap();
-        let result = authenticate_server(&mut s, &secrets(&[A])).await;
-        assert!(
-            matches!(result, Err(AuthError::BadVersion(2))),
-            "{result:?}"
-        );
+        // A newer node, and an older one (version 1 cannot read droplet's
+        // buckets in data frames).
+        for version in [VERSION + 1, VERSION - 1] {
+            let (mut c, mut s) = duplex(1024);
+            let mut hello = MAGIC.to_vec();
+            hello.push(version);
+            hello.extend_from_slice(&[0u8; NONCE_BYTES]);
+            c.write_all(&hello).await.unwrap();
+            let result = authenticate_server(&mut s, &secrets(&[A])).await;
+            assert!(
+                matches!(result, Err(AuthError::BadVersion(v)) if v == version),
+                "{result:?}"
+            );
+        }
     }
 
     #[tokio::test]

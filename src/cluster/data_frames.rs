@@ -13,7 +13,8 @@
 //! allocated (the `data_frames` fuzz target checks this).
 
 use super::wire::{ApplyRefusal, ShardRefusal, WireDecision};
-use crate::limiter::{CounterState, FullAt};
+use crate::limiter::droplet_bucket::{TakeRequest, PERIOD_COUNT};
+use crate::limiter::{CounterState, FullAt, PeriodCell};
 use crate::rules::Algorithm;
 
 /// The request id that marks a frame as a data frame (control frames use
@@ -93,6 +94,14 @@ pub fn put_state(out: &mut Vec<u8>, state: &CounterState) {
             put_varint(out, current);
             put_varint(out, previous);
         }
+        CounterState::DropletPeriod(cell) => {
+            out.push(3);
+            put_varint(out, cell.version);
+            put_varint(out, cell.forget_at_ms);
+            put_varint(out, cell.full_ms);
+            put_varint(out, u64::from(cell.remainder));
+            put_varint(out, u64::from(cell.limit));
+        }
     }
 }
 
@@ -104,10 +113,26 @@ fn algorithm_code(algorithm: Algorithm) -> u8 {
     }
 }
 
-/// Appends one forwarded op: key, algorithm and peek in one byte, quota.
+/// The op code of a droplet bucket's take or query (beside the algorithms').
+const BUCKET_OP_CODE: u8 = 3;
+
+/// Appends one forwarded op: key, algorithm and peek in one byte, quota;
+/// for a droplet bucket ([`OpView::bucket`]), the code 3 (peek: a query),
+/// then the count, the reset flag, the cleanup interval and the six limits.
 pub fn put_op(out: &mut Vec<u8>, op: &OpView<'_>) {
     put_bytes(out, op.key);
-    out.push(algorithm_code(op.algorithm) | if op.peek { 0x80 } else { 0 });
+    let peek = if op.peek { 0x80 } else { 0 };
+    if let Some(bucket) = &op.bucket {
+        out.push(BUCKET_OP_CODE | peek);
+        put_signed(out, i64::from(bucket.request.count));
+        out.push(u8::from(bucket.request.reset));
+        put_varint(out, bucket.cleanup_interval_ms);
+        for limit in bucket.request.limits {
+            put_varint(out, u64::from(limit));
+        }
+        return;
+    }
+    out.push(algorithm_code(op.algorithm) | peek);
     put_varint(out, op.credit_limit);
     put_varint(out, op.reset_seconds);
 }
@@ -167,6 +192,18 @@ pub fn put_decision(out: &mut Vec<u8>, decision: &WireDecision) {
             out.push(4);
             put_varint(out, *live_keys_max);
         }
+        WireDecision::Bucket { accept, balances } => {
+            out.push(5);
+            out.push(u8::from(*accept));
+            let mask = balances
+                .iter()
+                .enumerate()
+                .fold(0u8, |mask, (i, b)| mask | u8::from(b.is_some()) << i);
+            out.push(mask);
+            for balance in balances.iter().flatten() {
+                put_signed(out, i64::from(*balance));
+            }
+        }
     }
 }
 
@@ -203,6 +240,18 @@ pub struct OpView<'a> {
     pub credit_limit: u64,
     pub reset_seconds: u64,
     pub peek: bool,
+    /// A droplet bucket's take (or, with `peek`, query) instead of a rule's
+    /// hit: `key` is then the bucket's first period key
+    /// (`cluster::buckets`), and the algorithm and quota are unused.
+    pub bucket: Option<BucketOp>,
+}
+
+/// A droplet take or query as it is forwarded to the bucket's leader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketOp {
+    pub request: TakeRequest,
+    /// The requesting node's `--droplet-cleanup-interval-ms`.
+    pub cleanup_interval_ms: u64,
 }
 
 /// A bounds-checked reader over a frame's body.
@@ -288,6 +337,13 @@ impl<'a> Reader<'a> {
                 current: self.varint()?,
                 previous: self.varint()?,
             },
+            3 => CounterState::DropletPeriod(PeriodCell {
+                version: self.varint()?,
+                forget_at_ms: self.varint()?,
+                full_ms: self.varint()?,
+                remainder: self.u32()?,
+                limit: self.u32()?,
+            }),
             _ => return Err(FrameError::Invalid("counter state")),
         })
     }
@@ -295,6 +351,35 @@ impl<'a> Reader<'a> {
     pub fn op(&mut self) -> Result<OpView<'a>, FrameError> {
         let key = self.bytes()?;
         let flags = self.u8()?;
+        if flags & 0x7f == BUCKET_OP_CODE {
+            let count =
+                i32::try_from(self.signed()?).map_err(|_| FrameError::Invalid("bucket count"))?;
+            let reset = match self.u8()? {
+                0 => false,
+                1 => true,
+                _ => return Err(FrameError::Invalid("bucket reset flag")),
+            };
+            let cleanup_interval_ms = self.varint()?;
+            let mut limits = [0; PERIOD_COUNT];
+            for limit in &mut limits {
+                *limit = self.u32()?;
+            }
+            return Ok(OpView {
+                key,
+                algorithm: Algorithm::FixedWindow,
+                credit_limit: 0,
+                reset_seconds: 0,
+                peek: flags & 0x80 != 0,
+                bucket: Some(BucketOp {
+                    request: TakeRequest {
+                        count,
+                        reset,
+                        limits,
+                    },
+                    cleanup_interval_ms,
+                }),
+            });
+        }
         let algorithm = match flags & 0x7f {
             0 => Algorithm::FixedWindow,
             1 => Algorithm::TokenBucket,
@@ -307,6 +392,7 @@ impl<'a> Reader<'a> {
             peek: flags & 0x80 != 0,
             credit_limit: self.varint()?,
             reset_seconds: self.varint()?,
+            bucket: None,
         })
     }
 
@@ -343,6 +429,19 @@ impl<'a> Reader<'a> {
             4 => WireDecision::Full {
                 live_keys_max: self.varint()?,
             },
+            5 => {
+                let accept = self.u8()? != 0;
+                let mask = self.u8()?;
+                let mut balances = [None; PERIOD_COUNT];
+                for (i, balance) in balances.iter_mut().enumerate() {
+                    if mask & (1 << i) != 0 {
+                        let value = i32::try_from(self.signed()?)
+                            .map_err(|_| FrameError::Invalid("bucket balance"))?;
+                        *balance = Some(value);
+                    }
+                }
+                WireDecision::Bucket { accept, balances }
+            }
             _ => return Err(FrameError::Invalid("decision")),
         })
     }
@@ -491,6 +590,73 @@ mod tests {
     use crate::limiter::Refill;
 
     #[test]
+    fn droplet_ops_answers_and_cells_roundtrip() {
+        let take = OpView {
+            key: b"\x00droplet-bucket",
+            algorithm: Algorithm::FixedWindow,
+            credit_limit: 0,
+            reset_seconds: 0,
+            peek: false,
+            bucket: Some(BucketOp {
+                request: TakeRequest {
+                    count: -7,
+                    reset: true,
+                    limits: [10, 0, u32::MAX, 0, 1, 0],
+                },
+                cleanup_interval_ms: 60_000,
+            }),
+        };
+        let query = OpView { peek: true, ..take };
+        let answer = WireDecision::Bucket {
+            accept: false,
+            balances: [Some(-1), None, Some(i32::MAX), None, Some(i32::MIN), None],
+        };
+        let cell = CounterState::DropletPeriod(PeriodCell {
+            version: 3 << 40 | 9,
+            forget_at_ms: u64::MAX,
+            full_ms: 1_700_000_000_123,
+            remainder: 7,
+            limit: u32::MAX,
+        });
+        let mut out = Vec::new();
+        put_op(&mut out, &take);
+        put_op(&mut out, &query);
+        put_decision(&mut out, &answer);
+        put_state(&mut out, &cell);
+        let mut reader = Reader::new(&out);
+        assert_eq!(reader.op().unwrap(), take);
+        assert_eq!(reader.op().unwrap(), query);
+        assert_eq!(reader.decision().unwrap(), answer);
+        assert_eq!(reader.state().unwrap(), cell);
+        assert!(reader.is_empty());
+        // Every cut is an error, never a panic.
+        for cut in 0..out.len() {
+            let mut reader = Reader::new(&out[..cut]);
+            let read = reader.op().and_then(|_| reader.op()).map(drop);
+            let read = read.and_then(|_| reader.decision().map(drop));
+            assert!(read.and_then(|_| reader.state().map(drop)).is_err());
+        }
+        // A count out of range and a bad reset flag are refused.
+        let mut bad = Vec::new();
+        put_bytes(&mut bad, b"k");
+        bad.push(BUCKET_OP_CODE);
+        put_signed(&mut bad, i64::from(i32::MAX) + 1);
+        assert_eq!(
+            Reader::new(&bad).op(),
+            Err(FrameError::Invalid("bucket count"))
+        );
+        let mut bad = Vec::new();
+        put_bytes(&mut bad, b"k");
+        bad.push(BUCKET_OP_CODE);
+        put_signed(&mut bad, 1);
+        bad.push(2);
+        assert_eq!(
+            Reader::new(&bad).op(),
+            Err(FrameError::Invalid("bucket reset flag"))
+        );
+    }
+
+    #[test]
     fn sections_roundtrip() {
         let mut out = Vec::new();
         let op = OpView {
@@ -499,6 +665,7 @@ mod tests {
             credit_limit: 1_000_000_000_000,
             reset_seconds: 3600,
             peek: true,
+            bucket: None,
         };
         let at = begin_counted(&mut out, tag::FORWARD, &[77]);
         put_op(&mut out, &op);

@@ -527,6 +527,12 @@ impl DataPlane {
         decided: &mut Vec<(usize, usize, DecidedState)>,
     ) -> Option<WireDecision> {
         let shard = self.placement.shard_of(op.key);
+        if let Some(bucket) = &op.bucket {
+            let by = (from, from_boot, batch, index);
+            let (key, query) = (op.key, op.peek);
+            return self
+                .decide_forwarded_bucket(shard, key, bucket, query, now_ms, by, keys, decided);
+        }
         let guard = self.replica_ref(shard);
         let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
             return Some(WireDecision::Retry {
@@ -548,7 +554,7 @@ impl DataPlane {
                     boot: from_boot,
                     batch,
                     index,
-                    decision,
+                    decision: decision.into(),
                 });
                 let answer_now = waiter.is_none();
                 let at = keys.len();

@@ -16,8 +16,9 @@ use super::data_frames::{put_op, OpView, Reader};
 use super::dataplane::{DataPlane, DecidedState};
 use super::replica::LocalDecision;
 use super::rounds::Waiter;
-use super::wire::{ShardRefusal, WireDecision};
+use super::wire::{Answer, ShardRefusal, WireDecision};
 use super::NodeId;
+use crate::limiter::droplet_bucket::{Balances, TakeOutcome};
 use crate::limiter::{CounterState, Decision};
 use crate::store::{
     BackendError, BatchDecided, CounterOp, Decisions, OpBatch, SlotAnswers, StoreFull,
@@ -40,7 +41,7 @@ pub const RETRY_PAUSE_MS: u64 = 25;
 #[derive(Debug, Clone)]
 enum SlotAnswer {
     Pending,
-    Done(Result<Decision, BackendError>),
+    Done(Result<Answer, BackendError>),
     /// Not decided: to be routed again.
     Retry(ShardRefusal),
 }
@@ -74,11 +75,17 @@ fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
             allowed,
             credit,
             next_reset_seconds,
-        } => SlotAnswer::Done(Ok(Decision {
+        } => SlotAnswer::Done(Ok(Answer::Hit(Decision {
             allowed,
             credit,
             next_reset_seconds,
-        })),
+        }))),
+        WireDecision::Bucket { accept, balances } => {
+            SlotAnswer::Done(Ok(Answer::bucket(TakeOutcome {
+                accept,
+                balances: Balances(balances),
+            })))
+        }
         WireDecision::Unavailable { why, .. } => SlotAnswer::Done(Err(
             BackendError::ShardUnavailable(WireDecision::describe(shard, &why)),
         )),
@@ -160,7 +167,7 @@ impl SlotBoard {
     }
 
     /// Every slot's final answer; pending ones had no answer in time.
-    fn finish(&self, timeout_ms: u64) -> SlotAnswers {
+    fn finish<T>(&self, timeout_ms: u64, as_wanted: AsWanted<T>) -> Vec<T> {
         let inner = self.inner.lock();
         inner
             .slots
@@ -175,6 +182,7 @@ impl SlotBoard {
                     WireDecision::describe(slot.shard, why),
                 )),
             })
+            .map(as_wanted)
             .collect()
     }
 }
@@ -244,7 +252,7 @@ struct LocalState {
     term: u64,
     state: CounterState,
     /// Strict mode: the slot that waits for the commit, and its answer.
-    wait: Option<(u32, Decision)>,
+    wait: Option<(u32, Answer)>,
 }
 
 /// The ops of a read batch for one peer: their board slots, and where each
@@ -291,6 +299,11 @@ impl ClusterBatch {
     /// Routes one op (see the module doc); returns its slot's answer. A
     /// forwarded op is encoded at the end of the batch's `ops` here.
     fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> SlotAnswer {
+        if let Some(bucket) = &op.bucket {
+            if self.dp.leaders.leader(shard) == Some(self.dp.me) {
+                return self.decide_bucket_here(slot, shard, op.key, bucket, op.peek, now_ms);
+            }
+        }
         let dp: &DataPlane = &self.dp;
         match dp.leaders.leader(shard) {
             None => SlotAnswer::Retry(ShardRefusal::NoLeader),
@@ -304,7 +317,7 @@ impl ClusterBatch {
                         decision,
                         changed: None,
                         ..
-                    } => SlotAnswer::Done(Ok(decision)),
+                    } => SlotAnswer::Done(Ok(Answer::Hit(decision))),
                     LocalDecision::Decided {
                         decision,
                         changed: Some(state),
@@ -319,12 +332,12 @@ impl ClusterBatch {
                             shard,
                             term,
                             state,
-                            wait: strict.then_some((slot, decision)),
+                            wait: strict.then_some((slot, decision.into())),
                         });
                         if strict {
                             SlotAnswer::Pending
                         } else {
-                            SlotAnswer::Done(Ok(decision))
+                            SlotAnswer::Done(Ok(Answer::Hit(decision)))
                         }
                     }
                     LocalDecision::Full(full) => SlotAnswer::Done(Err(BackendError::Full(full))),
@@ -351,6 +364,89 @@ impl ClusterBatch {
                 forward.ops_at.push(encode_op(&mut self.ops, op));
                 SlotAnswer::Pending
             }
+        }
+    }
+
+    /// Decides a droplet bucket's take or query here, as its shard's
+    /// leader (see `cluster::buckets`): a changed bucket's cells go into the
+    /// batch's states, the last one carrying the answer's wait.
+    fn decide_bucket_here(
+        &mut self,
+        slot: u32,
+        shard: u32,
+        key: &[u8],
+        bucket: &super::data_frames::BucketOp,
+        query: bool,
+        now_ms: u64,
+    ) -> SlotAnswer {
+        let strict = self.dp.strict();
+        let decided =
+            super::buckets::decide_on_replica(&self.dp, shard, key, bucket, query, now_ms);
+        let (answer, written, term) = match decided {
+            Ok(decided) => decided,
+            Err(answer) => return result_of(shard, answer),
+        };
+        let Some(cells) = written else {
+            return SlotAnswer::Done(Ok(Answer::bucket(answer)));
+        };
+        let name = super::buckets::bucket_name(key).unwrap_or_default();
+        let last = cells.iter().rposition(Option::is_some);
+        for (period, cell) in cells.iter().enumerate() {
+            let Some(cell) = cell else { continue };
+            let key_at = self.keys.len() as u32;
+            super::buckets::append_period_key(&mut self.keys, period, name);
+            self.states.push(LocalState {
+                key_at,
+                key_len: self.keys.len() as u32 - key_at,
+                shard,
+                term,
+                state: CounterState::DropletPeriod(*cell),
+                wait: (strict && Some(period) == last).then_some((slot, Answer::bucket(answer))),
+            });
+        }
+        if strict {
+            SlotAnswer::Pending
+        } else {
+            SlotAnswer::Done(Ok(Answer::bucket(answer)))
+        }
+    }
+
+    /// Adds a droplet bucket's take (or, `query`, its read) as the next
+    /// slot: decided here when this node leads the bucket's shard, else
+    /// forwarded to its leader. [`ClusterBatch::submit_answers`] gives every
+    /// slot's answer.
+    pub fn add_bucket(
+        &mut self,
+        name: &[u8],
+        bucket: super::data_frames::BucketOp,
+        query: bool,
+        now_ms: u64,
+    ) {
+        let mut key = std::mem::take(&mut self.key_buf);
+        key.clear();
+        super::buckets::append_period_key(&mut key, 0, name);
+        let view = OpView {
+            key: &key,
+            algorithm: crate::rules::Algorithm::FixedWindow,
+            credit_limit: 0,
+            reset_seconds: 0,
+            peek: query,
+            bucket: Some(bucket),
+        };
+        let shard = self.dp.placement.shard_of(&key);
+        self.add(shard, &view, now_ms);
+        self.key_buf = key;
+    }
+
+    /// Sends what was gathered; resolves with every slot's answer, in slot
+    /// order (see [`ClusterBatch::add_bucket`]).
+    pub fn submit_answers(
+        self: Box<Self>,
+    ) -> BoxFuture<'static, Vec<Result<Answer, BackendError>>> {
+        let deadline = Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms);
+        match self.submit_until(deadline, std::convert::identity) {
+            Some(answers) => answers,
+            None => Box::pin(async { Vec::new() }),
         }
     }
 
@@ -382,7 +478,11 @@ impl ClusterBatch {
         waits
     }
 
-    fn submit_until(self: Box<Self>, deadline: Instant) -> Option<BoxFuture<'static, SlotAnswers>> {
+    fn submit_until<T: Send + 'static>(
+        self: Box<Self>,
+        deadline: Instant,
+        as_wanted: AsWanted<T>,
+    ) -> Option<BoxFuture<'static, Vec<T>>> {
         let ClusterBatch {
             dp,
             slots,
@@ -431,7 +531,7 @@ impl ClusterBatch {
             }
         }
         board.inner.lock().ops = ops;
-        Some(Box::pin(wait_for_answers(dp, board, deadline)))
+        Some(Box::pin(wait_for_answers(dp, board, deadline, as_wanted)))
     }
 }
 
@@ -463,11 +563,12 @@ fn decided(state: &LocalState, board: Option<&Arc<SlotBoard>>) -> DecidedState {
 
 /// Waits for a board's answers, routing hits that were not decided again
 /// until `deadline`.
-async fn wait_for_answers(
+async fn wait_for_answers<T>(
     dp: Arc<DataPlane>,
     board: Arc<SlotBoard>,
     deadline: Instant,
-) -> SlotAnswers {
+    as_wanted: AsWanted<T>,
+) -> Vec<T> {
     let timeout_ms = dp.settings.forward_timeout_ms;
     loop {
         let _ = tokio::time::timeout_at(deadline.into(), board.settled()).await;
@@ -487,7 +588,7 @@ async fn wait_for_answers(
             again.add(*shard, &op, now_ms);
             routed.push(*slot);
         }
-        let answers = match again.submit_until(deadline) {
+        let answers = match again.submit_until(deadline, std::convert::identity) {
             Some(waiting) => waiting.await,
             None => Vec::new(),
         };
@@ -495,7 +596,25 @@ async fn wait_for_answers(
             board.set(slot, SlotAnswer::Done(answer));
         }
     }
-    board.finish(timeout_ms)
+    board.finish(timeout_ms, as_wanted)
+}
+
+/// How a batch's caller wants each slot's answer: as it is (droplet's
+/// buckets) or as a rule's hit ([`hit_result`]); applied as the answers are
+/// gathered, so no list is built twice.
+type AsWanted<T> = fn(Result<Answer, BackendError>) -> T;
+
+/// A slot's answer as a rule's hit gets it (a bucket's answer never
+/// reaches a hit's slot; it would read as its accept alone).
+fn hit_result(result: Result<Answer, BackendError>) -> Result<Decision, BackendError> {
+    result.map(|answer| match answer {
+        Answer::Hit(decision) => decision,
+        Answer::Bucket(packed) => Decision {
+            allowed: packed.outcome().accept,
+            credit: 0,
+            next_reset_seconds: 0,
+        },
+    })
 }
 
 /// The cluster key of an op: the rule's counter id (computed once, when the
@@ -518,6 +637,7 @@ impl OpBatch for ClusterBatch {
                 credit_limit: op.quota.credit_limit(),
                 reset_seconds: op.quota.period_ms() / 1000,
                 peek: op.peek,
+                bucket: None,
             };
             let shard = self.dp.placement.shard_of(&key);
             waits |= self.add(shard, &view, now_ms);
@@ -532,7 +652,7 @@ impl OpBatch for ClusterBatch {
             .slots
             .drain(first..)
             .map(|slot| match slot.answer {
-                SlotAnswer::Done(result) => result,
+                SlotAnswer::Done(result) => hit_result(result),
                 _ => Err(BackendError::ShardUnavailable("not decided".into())),
             })
             .collect();
@@ -543,6 +663,6 @@ impl OpBatch for ClusterBatch {
         let deadline = self.deadline.unwrap_or_else(|| {
             Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms)
         });
-        self.submit_until(deadline)
+        self.submit_until(deadline, hit_result)
     }
 }

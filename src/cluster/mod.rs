@@ -12,7 +12,9 @@
 //!   (replication rounds and their commits), `outbox` (what goes to a peer),
 //!   `dataplane` (inbound frames), `replicator` (closing and sending
 //!   rounds), `forward` (a connection's read batch: local decisions and
-//!   forwarding), `backend` (the `Backend` and `TOPOLOGY`);
+//!   forwarding), `backend` (the `Backend` and `TOPOLOGY`), `buckets`
+//!   (droplet's buckets, one key per period, decided by their shard's
+//!   leader like hits);
 //! - Raft for leadership and membership: [`storage`] (the groups' logs),
 //!   `leadership` (preparing leaders, elections, handovers);
 //! - the data dir: [`disk`] (Raft state, fences, members and counters on
@@ -34,6 +36,7 @@
 pub mod admin;
 pub mod auth;
 mod backend;
+mod buckets;
 pub mod client;
 pub mod codec;
 pub mod committed_rules;
@@ -400,6 +403,13 @@ impl Cluster {
         outcome
             .recv_timeout(std::time::Duration::from_secs(60))
             .unwrap_or_else(|_| Err("the cluster-wide reload did not finish within 60 s".into()))
+    }
+
+    /// droplet's buckets as this cluster keeps them (sharded, replicated).
+    pub fn buckets(&self) -> Arc<dyn crate::store::SharedBuckets> {
+        Arc::new(buckets::ClusterBuckets {
+            dp: Arc::clone(&self.node.dp),
+        })
     }
 
     pub fn topology_command(&self) -> Arc<dyn CommandExtension> {

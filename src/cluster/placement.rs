@@ -38,6 +38,14 @@ pub fn counter_key(buf: &mut Vec<u8>, counter_id: u64, actor: &str) {
     CounterId(counter_id).write_key(buf, actor.as_bytes());
 }
 
+/// Writes the key a droplet bucket is placed by (its first period's cell,
+/// see `cluster::buckets`): [`Placement::shard_of`] of it is the bucket's
+/// shard.
+pub fn bucket_key(buf: &mut Vec<u8>, bucket: &str) {
+    buf.clear();
+    super::buckets::append_period_key(buf, 0, bucket.as_bytes());
+}
+
 /// The shard map of one cluster: shard count, replication factor, members.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -74,6 +82,9 @@ impl Placement {
     /// The shard of a counter key.
     pub fn shard_of(&self, key: &[u8]) -> u32 {
         // Multiply-shift on the high bits: unbiased for any shard count.
+        // A droplet bucket's period keys hash without their period byte, so
+        // a bucket's periods share a shard (see `cluster::buckets`).
+        let key = super::buckets::shard_bytes(key);
         ((u128::from(stable_hash(SHARD_SEED, key)) * u128::from(self.shards)) >> 64) as u32
     }
 

@@ -303,6 +303,29 @@ impl Replica {
         }
     }
 
+    /// Runs `decide` with this replica's term, as the shard's leader, fenced
+    /// as [`Replica::decide`] is: refused when not ready or when a newer
+    /// term was promised before or while it ran (then it never happened, as
+    /// far as anyone knows). For decisions that touch several keys
+    /// (droplet buckets, `cluster::buckets`).
+    pub fn lead<R>(&self, decide: impl FnOnce(u64) -> R) -> Result<(R, u64), ShardRefusal> {
+        let refused = |decision: LocalDecision| match decision {
+            LocalDecision::Refused(why) => why,
+            _ => ShardRefusal::Preparing,
+        };
+        let Some(term) = self.ready_term() else {
+            return Err(if self.handing_over.load(Ordering::Acquire) {
+                ShardRefusal::HandingOver
+            } else {
+                ShardRefusal::Preparing
+            });
+        };
+        self.check_fence(term).map_err(refused)?;
+        let result = decide(term);
+        self.check_fence(term).map_err(refused)?;
+        Ok((result, term))
+    }
+
     /// Still leading in `term` (no newer term promised)?
     fn check_fence(&self, term: u64) -> Result<(), LocalDecision> {
         let fence = self.fence.load(Ordering::Acquire);

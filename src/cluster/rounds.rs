@@ -16,9 +16,9 @@
 
 use super::data_frames::{put_bytes, put_state};
 use super::replica::ShardConfig;
-use super::wire::{ApplyRefusal, ShardRefusal, WireDecision};
+use super::wire::{Answer, ApplyRefusal, ShardRefusal, WireDecision};
 use super::NodeId;
-use crate::limiter::{CounterState, Decision};
+use crate::limiter::CounterState;
 use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -32,7 +32,7 @@ pub enum Waiter {
     Local {
         board: Arc<SlotBoard>,
         slot: u32,
-        decision: Decision,
+        decision: Answer,
     },
     /// A hit forwarded by `peer` (incarnation `boot`): op `index` of its
     /// batch `batch`.
@@ -41,7 +41,7 @@ pub enum Waiter {
         boot: u64,
         batch: u64,
         index: u32,
-        decision: Decision,
+        decision: Answer,
     },
 }
 
@@ -174,7 +174,7 @@ pub enum SectionEnd {
 
 impl SectionEnd {
     /// The answer a waiter gets for a section that ended this way.
-    pub fn answer(&self, shard: u32, decision: Decision) -> WireDecision {
+    pub fn answer(&self, shard: u32, decision: Answer) -> WireDecision {
         match self {
             SectionEnd::Committed => decision.into(),
             SectionEnd::Superseded(term) => WireDecision::Retry {
@@ -453,6 +453,7 @@ impl InFlight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::Decision;
     use smallvec::smallvec;
 
     const OK: Decision = Decision {
@@ -479,7 +480,7 @@ mod tests {
                 boot: 1,
                 batch: 1,
                 index: shard,
-                decision: OK,
+                decision: OK.into(),
             }],
         }
     }
@@ -549,7 +550,7 @@ mod tests {
         );
         assert_eq!(ends(&ended), vec![(0, SectionEnd::Superseded(7))]);
         assert!(matches!(
-            ended[0].end.answer(0, OK),
+            ended[0].end.answer(0, OK.into()),
             WireDecision::Retry {
                 shard: 0,
                 why: ShardRefusal::Superseded(7)

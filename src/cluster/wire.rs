@@ -14,6 +14,7 @@ use super::config::NodeAddresses;
 use super::members::Members;
 use super::storage::TollgateRaft;
 use super::NodeId;
+use crate::limiter::droplet_bucket::{Balances, TakeOutcome, PERIOD_COUNT};
 use crate::limiter::{CounterState, Decision};
 use openraft::error::{InstallSnapshotError, RaftError};
 use openraft::raft::{
@@ -66,6 +67,88 @@ pub enum WireDecision {
     /// leader fenced by a newer one, a link down before sending): the
     /// sender may send it again to the shard's leader.
     Retry { shard: u32, why: ShardRefusal },
+    /// A droplet bucket's take or query, decided: droplet's answer (each
+    /// period's balance, `None` for the periods not reported).
+    Bucket {
+        accept: bool,
+        balances: [Option<i32>; PERIOD_COUNT],
+    },
+}
+
+/// What a decided op answers, as a waiter keeps it until its commit: a
+/// rule's hit or a droplet bucket's take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    Hit(Decision),
+    Bucket(BucketAnswer),
+}
+
+impl Answer {
+    pub fn bucket(outcome: TakeOutcome) -> Answer {
+        Answer::Bucket(BucketAnswer::pack(outcome))
+    }
+}
+
+/// A droplet take's answer packed to 28 bytes (a [`TakeOutcome`] is 52), so
+/// that a strict hit's waiter grows by 8 bytes, not 32, for buckets to share
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketAnswer {
+    accept: bool,
+    /// Bit `i`: period `i`'s balance is reported.
+    reported: u8,
+    balances: [i32; PERIOD_COUNT],
+}
+
+impl BucketAnswer {
+    pub fn pack(outcome: TakeOutcome) -> BucketAnswer {
+        let mut packed = BucketAnswer {
+            accept: outcome.accept,
+            reported: 0,
+            balances: [0; PERIOD_COUNT],
+        };
+        for (i, balance) in outcome.balances.0.iter().enumerate() {
+            if let Some(balance) = balance {
+                packed.reported |= 1 << i;
+                packed.balances[i] = *balance;
+            }
+        }
+        packed
+    }
+
+    pub fn outcome(&self) -> TakeOutcome {
+        let mut balances = Balances::default();
+        for (i, balance) in balances.0.iter_mut().enumerate() {
+            if self.reported & (1 << i) != 0 {
+                *balance = Some(self.balances[i]);
+            }
+        }
+        TakeOutcome {
+            accept: self.accept,
+            balances,
+        }
+    }
+}
+
+impl From<Decision> for Answer {
+    fn from(decision: Decision) -> Answer {
+        Answer::Hit(decision)
+    }
+}
+
+impl From<Answer> for WireDecision {
+    fn from(answer: Answer) -> WireDecision {
+        match answer {
+            Answer::Hit(decision) => decision.into(),
+            Answer::Bucket(packed) => {
+                let outcome = packed.outcome();
+                WireDecision::Bucket {
+                    accept: outcome.accept,
+                    balances: outcome.balances.0,
+                }
+            }
+        }
+    }
 }
 
 impl WireDecision {

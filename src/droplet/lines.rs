@@ -7,7 +7,7 @@
 //! `k=v` grammar as `HIT`; an unknown or malformed one is an `ERR unknown`
 //! naming it, and, as after any `ERR`, the connection closes.
 
-use super::{Buckets, BucketsFull};
+use super::{BucketCall, Buckets, BucketsFull, SharedBuckets};
 use crate::engine::{CommandExtension, Outcome, Reply};
 use crate::limiter::droplet_bucket::{Balances, Period, TakeRequest};
 use crate::protocol::{Pairs, Verb};
@@ -67,8 +67,46 @@ impl LineCommands {
     }
 }
 
+impl LineCommands {
+    /// Cluster mode: the line's take or query, decided on the cluster's
+    /// buckets (its answer comes later; a bucket that cannot be reached
+    /// answers `ERR unknown "shard N unavailable: …"`).
+    fn execute_shared(
+        &self,
+        shared: &Arc<dyn SharedBuckets>,
+        verb: Verb,
+        pairs: &Pairs<'_>,
+        now_ms: u64,
+    ) -> Outcome {
+        let call = match verb {
+            Verb::Take => parse_take(pairs).map(|(bucket, request)| BucketCall::Take {
+                bucket: bucket.as_bytes(),
+                request,
+            }),
+            _ => parse_query(pairs).map(|bucket| BucketCall::Query {
+                bucket: bucket.as_bytes(),
+            }),
+        };
+        let call = match call {
+            Ok(call) => call,
+            Err(error) => return Outcome::Now(Reply::error(error.to_string())),
+        };
+        let answers = shared.decide(&[call], self.buckets.cleanup_interval_ms(), now_ms);
+        Outcome::Later(Box::pin(async move {
+            match answers.await.pop() {
+                Some(Ok(outcome)) => Reply::Line(format_answer(outcome.accept, &outcome.balances)),
+                Some(Err(error)) => Reply::error(error),
+                None => Reply::error("the cluster gave no answer".to_string()),
+            }
+        }))
+    }
+}
+
 impl CommandExtension for LineCommands {
     fn execute(&self, verb: Verb, pairs: &Pairs<'_>, now_ms: u64) -> Option<Outcome> {
+        if let (Verb::Take | Verb::Query, Some(shared)) = (verb, self.buckets.shared()) {
+            return Some(self.execute_shared(shared, verb, pairs, now_ms));
+        }
         let answer = match verb {
             Verb::Take => self.take(pairs, now_ms),
             Verb::Query => self.query(pairs, now_ms),

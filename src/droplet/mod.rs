@@ -8,11 +8,11 @@
 //! owns where buckets live (a [`StripedStore`] of their own, with its own
 //! cap and sweeper) and the flags.
 //!
-//! Cluster mode does not exist yet: buckets live on the node that serves
-//! them, like droplet's singleton server. When shards arrive, a bucket's name
-//! should hash to a shard like a counter's key, and its state replicate; the
-//! state would then need a merge (as `CounterState::merge`), which the bucket
-//! model does not define yet.
+//! In cluster mode the buckets are the cluster's ([`SharedBuckets`],
+//! `cluster::buckets`): sharded, decided by their shard's leader and
+//! replicated like rule counters, so every node answers from the same
+//! buckets. The callers then hand a read's requests over together and write
+//! the answers when they are in (see [`Buckets::shared`]).
 
 pub mod lines;
 pub mod proto;
@@ -22,9 +22,10 @@ use crate::clock::Clock;
 use crate::limiter::droplet_bucket::{self, Balances, BucketState, TakeOutcome, TakeRequest};
 use crate::store::{MemoryStoreConfig, StoreFull, StoredState, StripedStore};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+pub use crate::store::{BucketCall, BucketResults, SharedBuckets};
 pub use lines::LineCommands;
 pub use server::{DropletProtocol, DropletServer, DropletServerConfig, RunningDroplet};
 
@@ -117,6 +118,8 @@ impl From<StoreFull> for BucketsFull {
 pub struct Buckets {
     store: Arc<StripedStore<BucketState>>,
     cleanup_interval_ms: u64,
+    /// Cluster mode: the buckets are the cluster's, not `store`'s.
+    shared: OnceLock<Arc<dyn SharedBuckets>>,
 }
 
 impl Buckets {
@@ -127,7 +130,27 @@ impl Buckets {
                 live_keys_max: config.buckets_max,
             })),
             cleanup_interval_ms: config.cleanup_interval_ms,
+            shared: OnceLock::new(),
         }
+    }
+
+    /// From now on the buckets are kept by `shared` (cluster mode), not in
+    /// this node's memory; set once, before serving (later calls are
+    /// ignored).
+    pub fn share(&self, shared: Arc<dyn SharedBuckets>) {
+        let _ = self.shared.set(shared);
+    }
+
+    /// Cluster mode: the buckets' keeper, to which requests go (with
+    /// [`Buckets::cleanup_interval_ms`]) instead of [`Buckets::take`] and
+    /// [`Buckets::query`].
+    pub fn shared(&self) -> Option<&Arc<dyn SharedBuckets>> {
+        self.shared.get()
+    }
+
+    /// droplet's `cleanup_interval` in milliseconds.
+    pub fn cleanup_interval_ms(&self) -> u64 {
+        self.cleanup_interval_ms
     }
 
     /// Starts reclaiming the memory of forgotten buckets (`entries_per_tick`

@@ -19,7 +19,7 @@
 //! larger message closes the connection with code 1009.
 
 use super::proto::{decode_request, encode_response, Command, DecodeError};
-use super::Buckets;
+use super::{BucketCall, Buckets};
 use crate::clock::Clock;
 use crate::limiter::droplet_bucket::Balances;
 use crate::metrics::{Metrics, RequestProtocol};
@@ -283,6 +283,9 @@ async fn serve_connection(
 /// What one incoming message calls for.
 enum Step {
     Answer(Vec<u8>),
+    /// Cluster mode: a request for the shared buckets, answered with the
+    /// others read before the next write (see [`Session::answer_shared`]).
+    Ask(Command),
     /// Control frames: tungstenite answers pings and closes by itself.
     Nothing,
     Close(CloseCode),
@@ -307,10 +310,17 @@ impl Session {
             };
             // Data messages read before this write, counted once.
             let mut requests = 0u64;
+            let mut asked = Vec::new();
             let mut step = self.step(incoming, &mut requests);
             // Answer everything that has already arrived, then write once.
             for answered in 1.. {
+                if !matches!(step, Step::Answer(_) | Step::Ask(_) | Step::Nothing)
+                    && !self.answer_shared(&mut asked).await
+                {
+                    return;
+                }
                 match step {
+                    Step::Ask(command) => asked.push(command),
                     Step::Answer(bytes) => {
                         if self
                             .websocket
@@ -340,6 +350,9 @@ impl Session {
                     None => break,
                 }
             }
+            if !self.answer_shared(&mut asked).await {
+                return;
+            }
             self.count_requests(requests);
             if self.websocket.flush().await.is_err() {
                 return;
@@ -362,6 +375,15 @@ impl Session {
             *requests += 1;
         }
         match incoming {
+            Some(Ok(Message::Binary(bytes))) if self.shared.buckets.shared().is_some() => {
+                match decode_request(&bytes) {
+                    Ok(command) => Step::Ask(command),
+                    Err(error) => {
+                        tracing::debug!(%error, "droplet: undecodable request, closing");
+                        Step::Close(CloseCode::Normal)
+                    }
+                }
+            }
             Some(Ok(Message::Binary(bytes))) => match self.answer(&bytes) {
                 Ok(response) => Step::Answer(response),
                 Err(error) => {
@@ -382,6 +404,54 @@ impl Session {
             }
             Some(Err(_)) | None => Step::End,
         }
+    }
+
+    /// Cluster mode: decides the requests read so far together, on the
+    /// cluster's buckets, and queues their answers in order. A bucket that
+    /// cannot be reached answers `accept: false` with no balances (droplet's
+    /// protocol has no error), logged at debug level. Returns false when
+    /// the connection is gone.
+    async fn answer_shared(&mut self, asked: &mut Vec<Command>) -> bool {
+        if asked.is_empty() {
+            return true;
+        }
+        let Some(shared) = self.shared.buckets.shared() else {
+            asked.clear();
+            return true;
+        };
+        let calls: Vec<BucketCall<'_>> = asked
+            .iter()
+            .map(|command| match command {
+                Command::Take { bucket, request } => BucketCall::Take {
+                    bucket,
+                    request: *request,
+                },
+                Command::Query { bucket } => BucketCall::Query { bucket },
+            })
+            .collect();
+        let now_ms = self.shared.clock.now_ms();
+        let cleanup_interval_ms = self.shared.buckets.cleanup_interval_ms();
+        let answers = shared.decide(&calls, cleanup_interval_ms, now_ms);
+        drop(calls);
+        asked.clear();
+        for answer in answers.await {
+            let response = match answer {
+                Ok(outcome) => encode_response(outcome.accept, &outcome.balances),
+                Err(error) => {
+                    tracing::debug!(%error, "droplet: bucket unavailable (answered accept=false)");
+                    encode_response(false, &Balances::default())
+                }
+            };
+            if self
+                .websocket
+                .feed(Message::Binary(response.into()))
+                .await
+                .is_err()
+            {
+                return false;
+            }
+        }
+        true
     }
 
     fn answer(&self, bytes: &[u8]) -> Result<Vec<u8>, DecodeError> {

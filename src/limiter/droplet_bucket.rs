@@ -276,5 +276,7 @@ pub fn query(state: Option<&BucketState>, now_ms: u64) -> Option<Balances> {
     Some(balances)
 }
 
+pub mod replicated;
+
 #[cfg(test)]
 mod tests;

@@ -12,6 +12,7 @@ pub mod droplet_bucket;
 pub mod sliding_window;
 pub mod token_bucket;
 
+pub use droplet_bucket::replicated::PeriodCell;
 pub use sliding_window::sliding_window_hit;
 pub use token_bucket::{token_bucket_hit, FullAt, Refill};
 
@@ -72,6 +73,9 @@ pub enum CounterState {
         current: u64,
         previous: u64,
     },
+    /// One period of a droplet bucket in cluster mode (a bucket is kept as
+    /// one key per period, see [`droplet_bucket::replicated`]).
+    DropletPeriod(PeriodCell),
 }
 
 impl CounterState {
@@ -81,6 +85,7 @@ impl CounterState {
             CounterState::Window { end_ms, .. } => end_ms,
             CounterState::TokenBucket { full_at } => full_at.full_at_ms(),
             CounterState::SlidingWindow { expires_at_ms, .. } => expires_at_ms,
+            CounterState::DropletPeriod(cell) => cell.forget_at_ms,
         }
     }
 
@@ -91,6 +96,7 @@ impl CounterState {
             CounterState::Window { .. } => 0,
             CounterState::TokenBucket { .. } => 1,
             CounterState::SlidingWindow { .. } => 2,
+            CounterState::DropletPeriod(_) => 3,
         }
     }
 
@@ -101,7 +107,9 @@ impl CounterState {
     ///   count wins;
     /// - token bucket: the later full-again instant (the emptier bucket) wins;
     /// - sliding window: the later window wins; within one window each count
-    ///   takes the larger value.
+    ///   takes the larger value;
+    /// - a droplet bucket's period: the later version wins, and of one
+    ///   version the emptier ([`PeriodCell::merge`]).
     pub fn merge(self, other: CounterState) -> CounterState {
         match (self, other) {
             (
@@ -156,6 +164,9 @@ impl CounterState {
                         previous: a_previous.max(b_previous),
                     }
                 }
+            }
+            (CounterState::DropletPeriod(a), CounterState::DropletPeriod(b)) => {
+                CounterState::DropletPeriod(a.merge(b))
             }
             _ => {
                 if self.variant_rank() >= other.variant_rank() {

@@ -7,6 +7,7 @@ mod key;
 pub mod memory;
 mod packed;
 pub mod redis;
+mod shared_buckets;
 mod table;
 
 use crate::limiter::{
@@ -18,6 +19,7 @@ use smallvec::SmallVec;
 use std::sync::Arc;
 
 pub use memory::{MemoryStore, MemoryStoreConfig, StoreFull, StoredState, StripedStore};
+pub use shared_buckets::{BucketCall, BucketResults, SharedBuckets};
 
 /// One rule's counter, asked about by one request.
 #[derive(Debug, Clone, Copy)]

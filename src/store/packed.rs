@@ -60,6 +60,9 @@ impl StoredState for CounterState {
                     | current << half
                     | previous
             }
+            // Droplet periods (cluster mode) are spilled: they hold a bucket's
+            // version and limit besides its instants.
+            CounterState::DropletPeriod(_) => return None,
         };
         Some(PackedCounter(packed))
     }

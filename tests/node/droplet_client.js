@@ -75,7 +75,7 @@ async function main() {
   await advance(10000);
   results.after_10s_query = await query({ bucket: 'e' });
   results.pipelined = (await Promise.all(
-    Array.from({ length: 20 }, () => take({ bucket: 'f', ls: 100 })))).map(r => r.ls);
+    Array.from({ length: 20 }, () => take({ bucket: 'f', lm: 100 })))).map(r => r.lm);
   client.close();
   stdin.close();
   process.stdout.write(JSON.stringify({ results }) + '\n');

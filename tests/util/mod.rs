@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod droplet;
+pub mod droplet_node;
 pub mod envoy;
 pub mod redis;
 

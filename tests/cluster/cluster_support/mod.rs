@@ -125,6 +125,9 @@ pub struct TestCluster {
     /// With [`TestCluster::start_grpc`]: each node's gRPC endpoint
     /// (`--grpc-listen`, Envoy's rate limit service).
     pub grpc: BTreeMap<u64, SocketAddr>,
+    /// With [`TestCluster::start_droplet`]: each node's droplet WebSocket
+    /// endpoint (`--droplet-listen`).
+    pub droplet: BTreeMap<u64, SocketAddr>,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -157,13 +160,27 @@ impl TestCluster {
     /// `/metrics`, `/healthz` and `/readyz` on its own port
     /// ([`TestCluster::metrics_addr`]).
     pub fn start_observed(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, true, false)
+        Self::start_full(count, shards, args, proxied, true, false, false)
     }
 
     /// Like [`TestCluster::start`], every node also serving Envoy's rate
     /// limit service on its own port ([`TestCluster::grpc_addr`]).
     pub fn start_grpc(count: usize, shards: u32, args: &[&str]) -> TestCluster {
-        Self::start_full(count, shards, args, false, false, true)
+        Self::start_full(count, shards, args, false, false, true, false)
+    }
+
+    /// Like [`TestCluster::start`], every node also serving droplet's
+    /// WebSocket protocol on its own port ([`TestCluster::droplet_addr`]).
+    pub fn start_droplet(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_full(count, shards, args, false, false, false, true)
+    }
+
+    /// Node `id`'s droplet endpoint (clusters started with `start_droplet`).
+    pub fn droplet_addr(&self, id: u64) -> SocketAddr {
+        *self
+            .droplet
+            .get(&id)
+            .unwrap_or_else(|| panic!("node {id} serves no droplet: use start_droplet"))
     }
 
     /// Node `id`'s gRPC endpoint (clusters started with `start_grpc` only).
@@ -175,7 +192,7 @@ impl TestCluster {
     }
 
     fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, false, false)
+        Self::start_full(count, shards, args, proxied, false, false, false)
     }
 
     fn start_full(
@@ -185,16 +202,26 @@ impl TestCluster {
         proxied: bool,
         observed: bool,
         grpc: bool,
+        droplet: bool,
     ) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         // Every port the nodes will bind (clients, peers, metrics) stays
         // taken until the proxies are bound, which could be given one of
         // them otherwise.
-        let per_node = 2 + usize::from(observed) + usize::from(grpc);
+        let per_node = 2 + usize::from(observed) + usize::from(grpc) + usize::from(droplet);
         let reserved = reserve_ports(count * per_node);
         let ports = ports_of(&reserved);
-        // After the clients', peers' and metrics' ports.
-        let grpc_ports = &ports[count * (per_node - usize::from(grpc))..];
+        // After the clients', peers' and metrics' ports (the droplet
+        // endpoints' come last).
+        let grpc_ports = &ports[count * (per_node - usize::from(grpc) - usize::from(droplet))..];
+        let droplet_addrs: BTreeMap<u64, SocketAddr> = if droplet {
+            (1..=count as u64)
+                .zip(&ports[count * (per_node - 1)..])
+                .map(|(id, &port)| (id, SocketAddr::from(([127, 0, 0, 1], port))))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
         let grpc_addrs: BTreeMap<u64, SocketAddr> = if grpc {
             (1..=count as u64)
                 .zip(grpc_ports)
@@ -253,6 +280,7 @@ impl TestCluster {
             secret_path,
             metrics,
             grpc: grpc_addrs,
+            droplet: droplet_addrs,
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -323,6 +351,9 @@ impl TestCluster {
         }
         if let Some(addr) = self.grpc.get(&id) {
             args.extend(["--grpc-listen".to_string(), addr.to_string()]);
+        }
+        if let Some(addr) = self.droplet.get(&id) {
+            args.push(format!("--droplet-listen={addr}"));
         }
         if let Some(addr) = self.metrics.get(&id) {
             args.extend([
