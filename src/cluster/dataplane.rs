@@ -44,8 +44,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 /// Most keys of one inbound frame whose store lines are prefetched before
-/// the frame is handled (two lines each: well within the L2 cache).
-const FRAME_PREFETCH_KEYS_MAX: usize = 256;
+/// the frame is handled: two lines each, 128 KiB at most, well within a
+/// core's L2 (1 MiB here). Fast mode's rounds carry hundreds of states per
+/// frame: 256 left most of them unprefetched (follower merges 14.6 % of the
+/// samples with leader-aware clients, 12.5 % with 1024).
+const FRAME_PREFETCH_KEYS_MAX: usize = 1024;
 
 /// Settings of the data path.
 #[derive(Debug, Clone)]
