@@ -125,6 +125,9 @@ pub struct TestCluster {
     /// With [`TestCluster::start_grpc`]: each node's gRPC endpoint
     /// (`--grpc-listen`, Envoy's rate limit service).
     pub grpc: BTreeMap<u64, SocketAddr>,
+    /// Environment variables node `id` is started with (from its next
+    /// start on), e.g. the test-only `TOLLGATE_TEST_PEER_PROTOCOL`.
+    pub env: BTreeMap<u64, Vec<(String, String)>>,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -253,6 +256,7 @@ impl TestCluster {
             secret_path,
             metrics,
             grpc: grpc_addrs,
+            env: BTreeMap::new(),
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -336,6 +340,7 @@ impl TestCluster {
             args.push("--data-dir".to_string());
             args.push(self.data_dir(id).display().to_string());
         }
+        let env = self.env.get(&id).cloned().unwrap_or_default();
         let node = self.node(id);
         node.restarts += 1;
         let log =
@@ -350,6 +355,7 @@ impl TestCluster {
             .arg("--cluster-secret-file")
             .arg(secret)
             .env_remove("TOLLGATE_CLUSTER_SECRET")
+            .envs(env)
             .args(&args)
             .arg(&rules)
             .stdout(log.try_clone().unwrap())
