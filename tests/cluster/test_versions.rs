@@ -3,7 +3,8 @@
 //! advertising it, with the test-only `TOLLGATE_TEST_PEER_PROTOCOL`) keeps
 //! the cluster serving with its counters, and a node of another major is
 //! refused on both sides: it exits naming both versions, the nodes it
-//! dialed log the refusal and count it.
+//! dialed log the refusal and count it (and their data dirs count no
+//! write error).
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
@@ -89,6 +90,15 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
         )
         .unwrap_or(0.0);
         assert!(refusals >= 1.0, "node {id}: {refusals} refusals counted");
+        // Its data dir wrote without an error (the series is there, at 0).
+        assert_eq!(
+            metric(
+                cluster.metrics_addr(id),
+                "tollgate_cluster_data_dir_write_errors_total"
+            ),
+            Some(0.0),
+            "node {id}"
+        );
     }
     // Back on a compatible version, it rejoins with the counters.
     advertise(&mut cluster, 3, "2.1");
