@@ -34,9 +34,13 @@
 # `cluster/bench.sh persist` measures data dirs instead (docs/benchmarks.md,
 # "Data dirs"): strict three-node throughput with data dirs (each `--fsync`
 # policy of POLICIES, default `interval`) against in memory (`--data-dir
-# none`), alternating ROUNDS (2) times, then the time a full restart of
+# none`), alternating ROUNDS (2) times, each once leaders are balanced (as
+# above), then the time a full restart of
 # three nodes holding COUNTERS (1000000; 0 skips it) live counters takes to
-# serve again (`cluster/local.sh up`, until every shard is led).
+# serve again (`cluster/local.sh up`, until every shard is led). With
+# BASELINE=/path/to/another/tollgate, each round also runs the default
+# policy with that binary ("baseline"), between the others: an A/B of two
+# builds within one run.
 # Settings: LOADTEST, TOLLGATE (binaries), CONNECTIONS (48), PIPELINE (16),
 # DURATION (10 s), WARMUP (3 s), ACTORS (100000), SHARDS (64), FAILOVERS (3),
 # IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR.
@@ -152,12 +156,19 @@ if [[ ${1:-} == persist ]]; then
   export CONSISTENCY=strict
   declare -A total
   for round in $(seq 1 "$ROUNDS"); do
-    for setup in memory $POLICIES; do
+    setups="memory $POLICIES${BASELINE:+ baseline}"
+    # Every other round in reverse order, so that no setup always runs
+    # right after the same one.
+    (( round % 2 == 0 )) && setups=$(echo "$setups" | tr ' ' '\n' | tac | tr '\n' ' ')
+    for setup in $setups; do
       if [[ $setup == memory ]]; then
         DATA_DIRS=none "$ROOT/cluster/local.sh" up > /dev/null
+      elif [[ $setup == baseline ]]; then
+        TOLLGATE=$BASELINE "$ROOT/cluster/local.sh" up > /dev/null
       else
         EXTRA_ARGS="--fsync $setup" "$ROOT/cluster/local.sh" up > /dev/null
       fi
+      wait_balanced 3
       for n in 1 2 3; do
         load "$setup-$round-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / 3))" &
       done
@@ -173,7 +184,7 @@ if [[ ${1:-} == persist ]]; then
     echo
     echo "| setup | strict hits/s (mean of $ROUNDS) | ÷ in memory |"
     echo "|---|---:|---:|"
-    for setup in memory $POLICIES; do
+    for setup in memory $POLICIES${BASELINE:+ baseline}; do
       echo "| $setup | $(( total[$setup] / ROUNDS )) | $(python3 -c "print(f'{${total[$setup]} / ${total[memory]}:.0%}')") |"
     done
   } | tee -a "$OUT_DIR/result.md"

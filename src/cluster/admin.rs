@@ -27,7 +27,10 @@ pub async fn send(
         .with_context(|| format!("cannot connect to the peer port {node}"))?;
     auth::authenticate_client(&mut stream, secrets)
         .await
-        .with_context(|| format!("{node} did not accept the cluster secret"))?;
+        .map_err(|error| match error {
+            auth::AuthError::Incompatible(why) => anyhow::anyhow!("{node}: {why}"),
+            other => anyhow::anyhow!("{node} did not accept the cluster secret: {other}"),
+        })?;
     let mut out = Vec::new();
     codec::encode_frame(&mut out, 1, &super::wire::PeerRequest::Admin(request))?;
     stream.write_all(&out).await?;

@@ -9,16 +9,29 @@
 //!
 //! The handshake (all sizes fixed, nothing the peer chooses is allocated):
 //!
-//! 1. dialer → server: [`MAGIC`] (8 bytes), [`VERSION`] (1 byte), its 32-byte
-//!    random nonce `c`;
-//! 2. server → dialer: its 32-byte random nonce `s`, then
-//!    `HMAC-SHA256(secret, "tollgate-peer-server" ‖ version ‖ c ‖ s)`;
+//! 1. dialer → server: [`MAGIC`] (8 bytes), its peer protocol ([`Protocol`]:
+//!    major, minor, oldest minor; 3 bytes), its 32-byte random nonce `c`;
+//! 2. server → dialer: its own protocol (3 bytes). When the two are not
+//!    compatible ([`Protocol::negotiate`]) both sides stop here, each logging
+//!    the two versions and counting the refusal
+//!    ([`version_refusals`]); a dialer whose major differs gets the answer
+//!    as soon as its major byte is read. Otherwise the server's 32-byte
+//!    random nonce `s`, then `HMAC-SHA256(secret, "tollgate-peer-server" ‖
+//!    p ‖ c ‖ s)`, where `p` is the dialer's protocol then the server's;
 //! 3. dialer → server: if the server's proof verified under one of the
-//!    dialer's secrets, `HMAC-SHA256(secret, "tollgate-peer-client" ‖
-//!    version ‖ s ‖ c)`; otherwise 32 zero bytes (a proof that matches
-//!    nothing, so the server logs the refusal too) and the dialer hangs up;
+//!    dialer's secrets, `HMAC-SHA256(secret, "tollgate-peer-client" ‖ p ‖
+//!    s ‖ c)`; otherwise 32 zero bytes (a proof that matches nothing, so the
+//!    server logs the refusal too) and the dialer hangs up;
 //! 4. server → dialer: one verdict byte, [`ACCEPTED`] or [`REFUSED`] (so the
 //!    dialer can say that the peer refused its secret rather than vanished).
+//!
+//! Versions: nodes of the same major talk, at the lower of their two minors,
+//! as long as each one's minor is at least the other's oldest minor; so a
+//! node of the next minor version joins a cluster of this one, one node at
+//! a time (docs/cluster.md, "Rolling upgrade"). A minor release may only add
+//! what it sends to peers that negotiated its minor; anything an older peer
+//! could not read raises the major. `TOLLGATE_TEST_PEER_PROTOCOL` (tests
+//! only) makes a node advertise another version ([`local_protocol`]).
 //!
 //! Proofs are compared in constant time. Each side signs with its first
 //! secret and accepts any of its secrets, which is how the secret rotates
@@ -35,20 +48,147 @@ use sha2::Sha256;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First bytes of every peer connection.
 pub const MAGIC: [u8; 8] = *b"TGPEER\r\n";
-/// Version of the handshake (and of the peer protocol behind it). 2: data
-/// frames carry droplet buckets (a forwarded op code, a decision code and a
-/// counter state of their own), which a node of version 1 cannot read.
-pub const VERSION: u8 = 2;
+/// The peer protocol this build speaks (see the module doc). Major 1 was
+/// the handshake before versions were negotiated: one version byte, which
+/// had to match exactly. 2.0 also brought data frames that carry droplet
+/// buckets (an op code, a decision code and a counter state of their own)
+/// and hellos that carry the committed rule set's version, which no node of
+/// major 1 can read.
+pub const PROTOCOL: Protocol = Protocol {
+    major: 2,
+    minor: 0,
+    oldest_minor: 0,
+};
+/// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
+/// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
+/// upgrade", says how tests use it). Not for production: the node's frames
+/// do not change with it.
+pub const TEST_PROTOCOL_ENV: &str = "TOLLGATE_TEST_PEER_PROTOCOL";
 /// Bytes of each side's random nonce.
 pub const NONCE_BYTES: usize = 32;
 /// Bytes of an HMAC-SHA256 proof.
 pub const PROOF_BYTES: usize = 32;
+/// Handshakes refused (either side) because the two nodes' peer protocols
+/// are incompatible: `tollgate_cluster_peer_version_refusals_total`.
+static VERSION_REFUSALS: AtomicU64 = AtomicU64::new(0);
+
+/// Handshakes this process refused, or was refused, for incompatible peer
+/// protocol versions (as dialer and as server).
+pub fn version_refusals() -> u64 {
+    VERSION_REFUSALS.load(Ordering::Relaxed)
+}
+
+/// A peer protocol version, as exchanged in the handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Protocol {
+    pub major: u8,
+    pub minor: u8,
+    /// The oldest minor (of the same major) this node still talks to.
+    pub oldest_minor: u8,
+}
+
+impl Protocol {
+    /// The minor two nodes talk at, or `None` when they cannot talk: their
+    /// majors differ, or one's minor is older than the other's oldest.
+    /// Symmetric, so both sides of a handshake decide alike.
+    pub fn negotiate(self, peer: Protocol) -> Option<u8> {
+        (self.major == peer.major
+            && peer.minor >= self.oldest_minor
+            && self.minor >= peer.oldest_minor)
+            .then_some(self.minor.min(peer.minor))
+    }
+
+    fn bytes(self) -> [u8; 3] {
+        [self.major, self.minor, self.oldest_minor]
+    }
+
+    fn from_bytes(bytes: [u8; 3]) -> Protocol {
+        Protocol {
+            major: bytes[0],
+            minor: bytes[1],
+            oldest_minor: bytes[2],
+        }
+    }
+
+    /// Parses `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR` (the oldest minor
+    /// defaults to 0, and may not be above the minor).
+    pub fn parse(text: &str) -> Result<Protocol, String> {
+        let bad = || {
+            format!("'{text}' is not a peer protocol version (MAJOR.MINOR or MAJOR.MINOR:OLDEST_MINOR, each 0-255, e.g. 2.1 or 2.1:1)")
+        };
+        let (version, oldest) = match text.trim().split_once(':') {
+            Some((version, oldest)) => (version, Some(oldest)),
+            None => (text.trim(), None),
+        };
+        let (major, minor) = version.split_once('.').ok_or_else(bad)?;
+        let major: u8 = major.parse().map_err(|_| bad())?;
+        let minor: u8 = minor.parse().map_err(|_| bad())?;
+        let oldest_minor: u8 = match oldest {
+            Some(oldest) => oldest.parse().map_err(|_| bad())?,
+            None => 0,
+        };
+        if oldest_minor > minor {
+            return Err(format!(
+                "'{text}': the oldest minor ({oldest_minor}) is above the minor ({minor})"
+            ));
+        }
+        Ok(Protocol {
+            major,
+            minor,
+            oldest_minor,
+        })
+    }
+
+    /// The versions this one talks to: its major, from its oldest minor on
+    /// (a newer minor also needs its own oldest minor to reach ours), e.g.
+    /// `2.0-2.x`.
+    pub fn range(self) -> String {
+        format!("{}.{}-{}.x", self.major, self.oldest_minor, self.major)
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// The peer protocol this node advertises: [`PROTOCOL`], unless the
+/// test-only [`TEST_PROTOCOL_ENV`] names another one. An invalid value is
+/// an error naming the variable (checked when a cluster node starts).
+pub fn local_protocol() -> Result<Protocol, String> {
+    static LOCAL: OnceLock<Result<Protocol, String>> = OnceLock::new();
+    LOCAL
+        .get_or_init(|| match std::env::var(TEST_PROTOCOL_ENV) {
+            Ok(value) => {
+                Protocol::parse(&value).map_err(|why| format!("{TEST_PROTOCOL_ENV}: {why}"))
+            }
+            Err(_) => Ok(PROTOCOL),
+        })
+        .clone()
+}
+
+/// [`local_protocol`], or [`PROTOCOL`] when the variable is invalid (the
+/// node refused to start then; this keeps tools that dial working).
+fn advertised() -> Protocol {
+    local_protocol().unwrap_or(PROTOCOL)
+}
+
+/// The sentence both sides log for an incompatible peer.
+fn incompatible(ours: Protocol, theirs: &str) -> String {
+    format!(
+        "incompatible peer protocol: the peer speaks {theirs}, this node {ours} (it talks to {}); nodes talk when their major versions match and each one's minor is at least the other's oldest (docs/cluster.md, \"Rolling upgrade\")",
+        ours.range()
+    )
+}
+
 /// The server's verdict after checking the dialer's proof.
 pub const ACCEPTED: u8 = 1;
 pub const REFUSED: u8 = 0;
@@ -217,8 +357,9 @@ impl PeerSecrets {
 pub enum AuthError {
     #[error("not a Tollgate peer (bad handshake magic)")]
     BadMagic,
-    #[error("unsupported peer handshake version {0} (this node speaks {VERSION})")]
-    BadVersion(u8),
+    /// The two nodes' peer protocols cannot talk (see [`Protocol::negotiate`]).
+    #[error("{0}")]
+    Incompatible(String),
     #[error("wrong cluster secret (the peer's proof matches none of ours)")]
     BadProof,
     #[error("the peer refused our cluster secret")]
@@ -235,7 +376,11 @@ pub enum AuthError {
 
 impl From<std::io::Error> for AuthError {
     fn from(error: std::io::Error) -> AuthError {
-        if error.kind() == std::io::ErrorKind::UnexpectedEof {
+        use std::io::ErrorKind;
+        if matches!(
+            error.kind(),
+            ErrorKind::UnexpectedEof | ErrorKind::BrokenPipe | ErrorKind::ConnectionReset
+        ) {
             AuthError::Closed
         } else {
             AuthError::Io(error)
@@ -251,10 +396,16 @@ fn nonce() -> [u8; NONCE_BYTES] {
 }
 
 #[allow(clippy::expect_used)] // HMAC accepts keys of any length
-fn mac(secret: &Secret, label: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
+fn mac(
+    secret: &Secret,
+    label: &[u8],
+    protocols: &[u8; 6],
+    first: &[u8],
+    second: &[u8],
+) -> HmacSha256 {
     let mut mac = HmacSha256::new_from_slice(&secret.0).expect("HMAC takes keys of any length");
     mac.update(label);
-    mac.update(&[VERSION]);
+    mac.update(protocols);
     mac.update(first);
     mac.update(second);
     mac
@@ -265,35 +416,66 @@ fn mac(secret: &Secret, label: &[u8], first: &[u8], second: &[u8]) -> HmacSha256
 fn verify_any(
     secrets: &PeerSecrets,
     label: &[u8],
+    protocols: &[u8; 6],
     first: &[u8],
     second: &[u8],
     proof: &[u8],
 ) -> bool {
     secrets.secrets.iter().fold(false, |ok, secret| {
-        mac(secret, label, first, second)
+        mac(secret, label, protocols, first, second)
             .verify_slice(proof)
             .is_ok()
             | ok
     })
 }
 
+/// Both protocols, the dialer's first, as the proofs cover them.
+fn transcript(client: Protocol, server: Protocol) -> [u8; 6] {
+    let (c, s) = (client.bytes(), server.bytes());
+    [c[0], c[1], c[2], s[0], s[1], s[2]]
+}
+
 /// The dialer's side: proves the secret and checks the server's proof.
-pub async fn authenticate_client<S>(stream: &mut S, secrets: &PeerSecrets) -> Result<(), AuthError>
+/// Returns the minor the two nodes talk at.
+pub async fn authenticate_client<S>(stream: &mut S, secrets: &PeerSecrets) -> Result<u8, AuthError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    authenticate_client_as(stream, secrets, advertised()).await
+}
+
+async fn authenticate_client_as<S>(
+    stream: &mut S,
+    secrets: &PeerSecrets,
+    ours: Protocol,
+) -> Result<u8, AuthError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let client_nonce = nonce();
-    let mut hello = [0u8; MAGIC.len() + 1 + NONCE_BYTES];
+    let mut hello = [0u8; MAGIC.len() + 3 + NONCE_BYTES];
     hello[..MAGIC.len()].copy_from_slice(&MAGIC);
-    hello[MAGIC.len()] = VERSION;
-    hello[MAGIC.len() + 1..].copy_from_slice(&client_nonce);
+    hello[MAGIC.len()..MAGIC.len() + 3].copy_from_slice(&ours.bytes());
+    hello[MAGIC.len() + 3..].copy_from_slice(&client_nonce);
     stream.write_all(&hello).await?;
+    let mut theirs = [0u8; 3];
+    stream.read_exact(&mut theirs).await?;
+    let theirs = Protocol::from_bytes(theirs);
+    let Some(minor) = ours.negotiate(theirs) else {
+        VERSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+        return Err(AuthError::Incompatible(incompatible(
+            ours,
+            &format!("{theirs} (it talks to {})", theirs.range()),
+        )));
+    };
+    let protocols = transcript(ours, theirs);
     let mut answer = [0u8; NONCE_BYTES + PROOF_BYTES];
     stream.read_exact(&mut answer).await?;
     let (server_nonce, server_proof) = answer.split_at(NONCE_BYTES);
     if !verify_any(
         secrets,
         SERVER_LABEL,
+        &protocols,
         &client_nonce,
         server_nonce,
         server_proof,
@@ -305,22 +487,41 @@ where
         let _ = stream.flush().await;
         return Err(AuthError::BadProof);
     }
-    let proof = mac(secrets.signing(), CLIENT_LABEL, server_nonce, &client_nonce)
-        .finalize()
-        .into_bytes();
+    let proof = mac(
+        secrets.signing(),
+        CLIENT_LABEL,
+        &protocols,
+        server_nonce,
+        &client_nonce,
+    )
+    .finalize()
+    .into_bytes();
     stream.write_all(&proof).await?;
     let mut verdict = [0u8; 1];
     stream.read_exact(&mut verdict).await?;
     match verdict[0] {
-        ACCEPTED => Ok(()),
+        ACCEPTED => Ok(minor),
         REFUSED => Err(AuthError::Refused),
         other => Err(AuthError::BadVerdict(other)),
     }
 }
 
 /// The server's side, without a timeout (see [`accept_peer`]): answers
-/// nothing unless the stream starts with [`MAGIC`] and our version.
-pub async fn authenticate_server<S>(stream: &mut S, secrets: &PeerSecrets) -> Result<(), AuthError>
+/// nothing unless the stream starts with [`MAGIC`]; a dialer of an
+/// incompatible protocol gets this node's protocol, then the connection
+/// closes. Returns the minor the two nodes talk at.
+pub async fn authenticate_server<S>(stream: &mut S, secrets: &PeerSecrets) -> Result<u8, AuthError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    authenticate_server_as(stream, secrets, advertised()).await
+}
+
+async fn authenticate_server_as<S>(
+    stream: &mut S,
+    secrets: &PeerSecrets,
+    ours: Protocol,
+) -> Result<u8, AuthError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -329,17 +530,40 @@ where
     if magic != MAGIC {
         return Err(AuthError::BadMagic);
     }
-    let mut version = [0u8; 1];
-    stream.read_exact(&mut version).await?;
-    if version[0] != VERSION {
-        return Err(AuthError::BadVersion(version[0]));
+    let mut major = [0u8; 1];
+    stream.read_exact(&mut major).await?;
+    if major[0] != ours.major {
+        // Another major may lay out the rest otherwise (major 1 sent its
+        // nonce right after its one version byte): answer at once.
+        VERSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+        let _ = stream.write_all(&ours.bytes()).await;
+        let _ = stream.flush().await;
+        return Err(AuthError::Incompatible(incompatible(
+            ours,
+            &format!("major version {}", major[0]),
+        )));
     }
+    let mut rest = [0u8; 2];
+    stream.read_exact(&mut rest).await?;
+    let theirs = Protocol::from_bytes([major[0], rest[0], rest[1]]);
+    stream.write_all(&ours.bytes()).await?;
+    if ours.negotiate(theirs).is_none() {
+        VERSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+        let _ = stream.flush().await;
+        return Err(AuthError::Incompatible(incompatible(
+            ours,
+            &format!("{theirs} (it talks to {})", theirs.range()),
+        )));
+    }
+    let minor = ours.minor.min(theirs.minor);
+    let protocols = transcript(theirs, ours);
     let mut client_nonce = [0u8; NONCE_BYTES];
     stream.read_exact(&mut client_nonce).await?;
     let server_nonce = nonce();
     let proof = mac(
         secrets.signing(),
         SERVER_LABEL,
+        &protocols,
         &client_nonce,
         &server_nonce,
     )
@@ -354,12 +578,13 @@ where
     if verify_any(
         secrets,
         CLIENT_LABEL,
+        &protocols,
         &server_nonce,
         &client_nonce,
         &client_proof,
     ) {
         stream.write_all(&[ACCEPTED]).await?;
-        Ok(())
+        Ok(minor)
     } else {
         let _ = stream.write_all(&[REFUSED]).await;
         Err(AuthError::BadProof)
@@ -396,7 +621,7 @@ where
     .await
     .unwrap_or(Err(AuthError::Timeout(timeout_ms)));
     match result {
-        Ok(()) => true,
+        Ok(_) => true,
         // Closed before a byte: a port probe or health check, not worth a warning.
         Err(AuthError::Closed) => {
             tracing::debug!(?remote, "peer connection closed during the handshake");
@@ -440,6 +665,19 @@ pub fn link_error(target: NodeId, addr: SocketAddr, error: AuthError) -> LinkErr
     let detail = match error {
         AuthError::BadProof => "its proof matches none of our secrets",
         AuthError::Refused => "it refused our proof",
+        // Refused like a wrong secret: a join that no peer accepts stops.
+        AuthError::Incompatible(why) => {
+            return LinkError::Unauthenticated(target, format!("node {target} at {addr}: {why}"))
+        }
+        AuthError::Closed => {
+            return LinkError::Unreachable(
+                target,
+                format!(
+                    "peer handshake with {addr}: {}; a node of peer protocol 1 (before versions were negotiated) closes so when it gets a newer handshake",
+                    AuthError::Closed
+                ),
+            )
+        }
         other => {
             return LinkError::Unreachable(target, format!("peer handshake with {addr}: {other}"))
         }
@@ -481,12 +719,97 @@ mod tests {
     async fn run(
         client: &PeerSecrets,
         server: &PeerSecrets,
-    ) -> (Result<(), AuthError>, Result<(), AuthError>) {
+    ) -> (Result<u8, AuthError>, Result<u8, AuthError>) {
+        run_as(client, PROTOCOL, server, PROTOCOL).await
+    }
+
+    async fn run_as(
+        client: &PeerSecrets,
+        client_protocol: Protocol,
+        server: &PeerSecrets,
+        server_protocol: Protocol,
+    ) -> (Result<u8, AuthError>, Result<u8, AuthError>) {
         let (mut c, mut s) = duplex(1024);
         tokio::join!(
-            async move { authenticate_client(&mut c, client).await },
-            async move { authenticate_server(&mut s, server).await }
+            async move { authenticate_client_as(&mut c, client, client_protocol).await },
+            async move { authenticate_server_as(&mut s, server, server_protocol).await }
         )
+    }
+
+    fn protocol(text: &str) -> Protocol {
+        Protocol::parse(text).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_next_minor_talks_and_incompatible_versions_are_refused_on_both_sides() {
+        let a = secrets(&[A]);
+        // This version and the next minor talk at this one's minor, either
+        // side dialing; the proofs cover both versions.
+        for (client, server) in [
+            ("2.0", "2.1"),
+            ("2.1", "2.0"),
+            ("2.1:1", "2.1"),
+            ("2.3:1", "2.1"),
+        ] {
+            let (c, s) = run_as(&a, protocol(client), &a, protocol(server)).await;
+            let expected = protocol(client).minor.min(protocol(server).minor);
+            assert_eq!(c.unwrap(), expected, "{client} dialing {server}");
+            assert_eq!(s.unwrap(), expected, "{client} dialing {server}");
+        }
+        // Another major, or a minor below the other's oldest: both sides
+        // refuse, each naming both versions, and both count it.
+        for (client, server) in [
+            ("3.0", "2.0"),
+            ("2.0", "3.0"),
+            ("2.2:2", "2.1"),
+            ("2.1", "2.2:2"),
+        ] {
+            let before = version_refusals();
+            let (c, s) = run_as(&a, protocol(client), &a, protocol(server)).await;
+            let (Err(AuthError::Incompatible(c)), Err(AuthError::Incompatible(s))) = (c, s) else {
+                panic!("{client} dialing {server}: both sides refuse");
+            };
+            let (client, server) = (protocol(client), protocol(server));
+            assert!(c.contains(&format!("the peer speaks {server}")), "{c}");
+            assert!(c.contains(&format!("this node {client}")), "{c}");
+            assert!(s.contains(&format!("this node {server}")), "{s}");
+            assert!(s.contains("Rolling upgrade"), "{s}");
+            assert!(version_refusals() >= before + 2);
+        }
+        // The handshake of major 1 (one version byte, then the nonce) is
+        // answered with this node's version and refused.
+        let (mut c, mut s) = duplex(1024);
+        let mut hello = MAGIC.to_vec();
+        hello.push(1);
+        hello.extend_from_slice(&[0u8; NONCE_BYTES]);
+        c.write_all(&hello).await.unwrap();
+        let result = authenticate_server(&mut s, &a).await;
+        assert!(
+            matches!(&result, Err(AuthError::Incompatible(why)) if why.contains("major version 1")),
+            "{result:?}"
+        );
+        drop(s);
+        let mut answer = Vec::new();
+        c.read_to_end(&mut answer).await.unwrap();
+        assert_eq!(answer, PROTOCOL.bytes());
+    }
+
+    #[test]
+    fn protocol_versions_parse_with_clear_errors() {
+        assert_eq!(
+            protocol("2.1"),
+            Protocol {
+                major: 2,
+                minor: 1,
+                oldest_minor: 0
+            }
+        );
+        assert_eq!(protocol(" 3.4:2 ").oldest_minor, 2);
+        for bad in ["", "2", "2.x", "2.1:", "256.0", "2.1:3", "-1.0"] {
+            let error = Protocol::parse(bad).unwrap_err();
+            assert!(error.contains(&format!("'{bad}'")), "{error}");
+        }
+        assert_eq!(PROTOCOL.negotiate(PROTOCOL), Some(PROTOCOL.minor));
     }
 
     #[tokio::test]
@@ -555,18 +878,18 @@ mod tests {
 
     #[tokio::test]
     async fn wrong_version_is_refused() {
-        // A newer node, and an older one (version 1 cannot read droplet's
-        // buckets in data frames).
-        for version in [VERSION + 1, VERSION - 1] {
+        // A newer major, and an older one (major 1 cannot read droplet's
+        // buckets in data frames, nor the hellos' rule set versions).
+        for major in [PROTOCOL.major + 1, PROTOCOL.major - 1] {
             let (mut c, mut s) = duplex(1024);
             let mut hello = MAGIC.to_vec();
-            hello.push(version);
+            hello.extend_from_slice(&[major, 0, 0]);
             hello.extend_from_slice(&[0u8; NONCE_BYTES]);
             c.write_all(&hello).await.unwrap();
             let result = authenticate_server(&mut s, &secrets(&[A])).await;
             assert!(
-                matches!(result, Err(AuthError::BadVersion(v)) if v == version),
-                "{result:?}"
+                matches!(result, Err(AuthError::Incompatible(_))),
+                "major {major}: {result:?}"
             );
         }
     }
@@ -576,7 +899,8 @@ mod tests {
         // Closed halfway through the nonce.
         let (mut c, mut s) = duplex(1024);
         c.write_all(&MAGIC).await.unwrap();
-        c.write_all(&[VERSION, 1, 2, 3]).await.unwrap();
+        c.write_all(&PROTOCOL.bytes()).await.unwrap();
+        c.write_all(&[1, 2, 3]).await.unwrap();
         drop(c);
         let result = authenticate_server(&mut s, &secrets(&[A])).await;
         assert!(matches!(result, Err(AuthError::Closed)), "{result:?}");
@@ -584,10 +908,10 @@ mod tests {
         let (mut c, mut s) = duplex(1024);
         let server = tokio::spawn(async move { authenticate_server(&mut s, &secrets(&[A])).await });
         let mut hello = MAGIC.to_vec();
-        hello.push(VERSION);
+        hello.extend_from_slice(&PROTOCOL.bytes());
         hello.extend_from_slice(&[7u8; NONCE_BYTES]);
         c.write_all(&hello).await.unwrap();
-        let mut answer = [0u8; NONCE_BYTES + PROOF_BYTES];
+        let mut answer = [0u8; 3 + NONCE_BYTES + PROOF_BYTES];
         c.read_exact(&mut answer).await.unwrap();
         c.write_all(&[0u8; PROOF_BYTES]).await.unwrap();
         let mut verdict = [9u8; 1];

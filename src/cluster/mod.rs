@@ -217,6 +217,8 @@ pub enum ClusterError {
     Secret(#[from] auth::SecretError),
     #[error("no peer accepted this node: {0}")]
     Unauthenticated(String),
+    #[error("{0}")]
+    Protocol(String),
     #[error(transparent)]
     Disk(#[from] disk::DiskError),
     #[error("{0}")]
@@ -293,6 +295,10 @@ pub struct ClusterSnapshot {
     pub shards_unservable: u64,
     /// Every shard this node holds a replica of, by shard.
     pub shards: Vec<ShardSnapshot>,
+    /// Failed writes and syncs of the data dir; `None` without one.
+    pub data_dir_write_errors: Option<u64>,
+    /// Peer handshakes refused for incompatible protocol versions.
+    pub peer_version_refusals: u64,
 }
 
 /// One shard's replica on this node, for the per-shard series.
@@ -462,6 +468,11 @@ impl Cluster {
                     })
                 })
                 .collect(),
+            data_dir_write_errors: dp
+                .disk
+                .as_ref()
+                .map(|disk| disk.write_errors.load(Ordering::Relaxed)),
+            peer_version_refusals: auth::version_refusals(),
         }
     }
 
@@ -542,6 +553,14 @@ pub fn start(
         args.cluster_secret_file.as_deref(),
         args.cluster_secret.as_deref(),
     )?);
+    let protocol = auth::local_protocol().map_err(ClusterError::Protocol)?;
+    if protocol != auth::PROTOCOL {
+        tracing::warn!(
+            "{}: advertising peer protocol {protocol} instead of {} (for tests only)",
+            auth::TEST_PROTOCOL_ENV,
+            auth::PROTOCOL
+        );
+    }
     let me = file
         .nodes
         .get(&id)

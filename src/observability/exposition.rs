@@ -306,6 +306,18 @@ cluster_family!(
     "Peer connections closed unanswered because too many handshakes were in progress."
 );
 cluster_family!(
+    CLUSTER_VERSION_REFUSALS,
+    "tollgate_cluster_peer_version_refusals_total",
+    MetricType::COUNTER,
+    "Peer handshakes refused, by this node or by the peer it dialed, because their peer protocol versions are incompatible."
+);
+cluster_family!(
+    CLUSTER_DATA_DIR_WRITE_ERRORS,
+    "tollgate_cluster_data_dir_write_errors_total",
+    MetricType::COUNTER,
+    "Writes and syncs of the data dir that failed (counter log, meta.log, snapshots)."
+);
+cluster_family!(
     CLUSTER_PEER_FRAMES,
     "tollgate_cluster_peer_frames_total",
     MetricType::COUNTER,
@@ -531,6 +543,13 @@ impl Collector for ServerCollector {
                 snapshot.shards_unservable as f64,
             ));
             out.extend(shard_families(&snapshot.shards));
+            out.push(plain_counter(
+                &CLUSTER_VERSION_REFUSALS,
+                snapshot.peer_version_refusals,
+            ));
+            if let Some(errors) = snapshot.data_dir_write_errors {
+                out.push(plain_counter(&CLUSTER_DATA_DIR_WRITE_ERRORS, errors));
+            }
         }
         out
     }

@@ -1,7 +1,8 @@
 //! Real multi-node clusters of `tollgate` processes on loopback: replication,
 //! failover, partitions (through fault-injection proxies), membership changes
 //! and moving shards without errors,
-//! rolling restarts, full restarts from data dirs, cluster-wide rule reloads, chaos, the peer port's authentication, and what an
+//! rolling restarts, full restarts from data dirs, cluster-wide rule reloads, chaos, the peer
+//! port's authentication and its protocol versions, and what an
 //! operator watches and types (readiness, metrics, the membership commands),
 //! Envoy's gRPC calls on any node, droplet's buckets shared by every node
 //! (`cluster_support` starts and stops them; every wait is bounded).
@@ -28,3 +29,4 @@ mod test_partition;
 mod test_persist;
 mod test_reload;
 mod test_rolling;
+mod test_versions;

@@ -21,6 +21,9 @@
 //! buffer is written out once per round (leader) or per frame read
 //! (follower), and by each peer link just before it sends a frame, so no
 //! acknowledgement can leave before the states it covers were written.
+//! "Written" is a copy into the open segment's shared memory mapping (a
+//! preallocated file, see [`counters::Segment`]): in the OS's page cache,
+//! as after a `write(2)`, without a system call.
 
 pub mod counters;
 pub mod meta;
@@ -102,6 +105,12 @@ pub enum DiskError {
     },
     #[error("--data-dir {path}: in use by another running process (its LOCK file is held); give each node its own data dir")]
     Locked { path: String },
+    #[error("--data-dir {path}: mode {mode:o} lets other users read it, and it cannot be set to 700 ({source}); run `chmod 700 {path}` as its owner, or give a dir this user owns")]
+    Permissions {
+        path: String,
+        mode: u32,
+        source: std::io::Error,
+    },
     #[error("--data-dir {path}: {source}")]
     Io {
         path: String,
@@ -143,6 +152,8 @@ pub struct NodeDisk {
     stop: Mutex<bool>,
     stopped: Condvar,
     flusher: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Writes and syncs that failed (counter log, `meta.log`, snapshots):
+    /// `tollgate_cluster_data_dir_write_errors_total`.
     pub write_errors: AtomicU64,
     pub snapshots: AtomicU64,
     /// Counter-log bytes a start would replay beyond the newest snapshot.
@@ -156,19 +167,46 @@ fn io_error(path: &Path) -> impl Fn(std::io::Error) -> DiskError + '_ {
     }
 }
 
-/// Creates `dir` (and its parents) with mode 0700.
-fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+/// Creates `dir` (and its parents) with mode 0700; an existing `dir` that
+/// its group or other users may enter is tightened to 0700, with a
+/// warning (its files hold every counter's key: who hit what). A dir whose
+/// mode cannot be tightened (this process does not own it) is refused.
+fn create_private_dir(dir: &Path) -> Result<(), DiskError> {
+    let create_error = |source| DiskError::Create {
+        path: dir.display().to_string(),
+        source,
+    };
     #[cfg(unix)]
     {
-        use std::os::unix::fs::DirBuilderExt;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
+            .map_err(create_error)?;
+        let mode = std::fs::metadata(dir)
+            .map_err(io_error(dir))?
+            .permissions()
+            .mode()
+            & 0o777;
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(
+                |source| DiskError::Permissions {
+                    path: dir.display().to_string(),
+                    mode,
+                    source,
+                },
+            )?;
+            tracing::warn!(
+                "--data-dir {}: it was mode {mode:o} (other users could read the counters' keys); set to 700",
+                dir.display()
+            );
+        }
+        Ok(())
     }
     #[cfg(not(unix))]
     {
-        std::fs::create_dir_all(dir)
+        std::fs::create_dir_all(dir).map_err(create_error)
     }
 }
 
@@ -208,16 +246,10 @@ impl NodeDisk {
     ) -> Result<(Arc<NodeDisk>, Startup), DiskError> {
         let started = Instant::now();
         let dir = config.dir.clone();
-        create_private_dir(&dir).map_err(|source| DiskError::Create {
-            path: dir.display().to_string(),
-            source,
-        })?;
+        create_private_dir(&dir)?;
         let lock = lock(&dir)?;
         let counters_dir = dir.join("counters");
-        create_private_dir(&counters_dir).map_err(|source| DiskError::Create {
-            path: counters_dir.display().to_string(),
-            source,
-        })?;
+        create_private_dir(&counters_dir)?;
         let (meta, meta_load) =
             MetaLog::open(&dir, config.fsync).map_err(io_error(&dir.join("meta.log")))?;
         if let Some(damage) = &meta_load.damage {
@@ -295,7 +327,11 @@ impl NodeDisk {
 
     /// Writes one metadata change before returning (see [`MetaLog::append`]).
     pub fn meta_append(&self, record: MetaRecord) -> std::io::Result<()> {
-        self.meta.append(record)
+        let result = self.meta.append(record);
+        if result.is_err() {
+            self.write_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        result
     }
 
     /// Queues a round section this node decided as leader: `count` states,
@@ -360,6 +396,13 @@ impl NodeDisk {
         }
     }
 
+    /// Logs a failed sync or snapshot (`what`) and counts it in
+    /// `write_errors` (`tollgate_cluster_data_dir_write_errors_total`).
+    fn write_failed(&self, what: &str, error: std::io::Error) {
+        self.write_errors.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(dir = %self.dir.display(), %error, "{what}");
+    }
+
     /// Syncs both logs to the disk.
     fn sync(&self) -> std::io::Result<()> {
         let file = {
@@ -420,7 +463,7 @@ impl NodeDisk {
             let snapshot_due = snapshot_at.is_some_and(|at| Instant::now() >= at);
             if self.policy == FsyncPolicy::Interval {
                 if let Err(error) = self.sync() {
-                    tracing::error!(dir = %self.dir.display(), %error, "cannot sync the data dir");
+                    self.write_failed("cannot sync the data dir", error);
                 }
             } else {
                 self.write_pending();
@@ -428,7 +471,7 @@ impl NodeDisk {
             if snapshot_due || self.writer.lock().segment.bytes > counters::SEGMENT_BYTES_MAX {
                 snapshot_at = None;
                 if let Err(error) = self.rotate_and_snapshot() {
-                    tracing::error!(dir = %self.counters_dir.display(), %error, "cannot write a counter snapshot");
+                    self.write_failed("cannot write a counter snapshot", error);
                 }
             }
         }
@@ -446,14 +489,106 @@ impl NodeDisk {
         }
         if self.replay_bytes.load(Ordering::Relaxed) > CLOSE_SNAPSHOT_REPLAY_BYTES {
             if let Err(error) = self.rotate_and_snapshot() {
-                tracing::error!(dir = %self.counters_dir.display(), %error, "cannot write a counter snapshot");
+                self.write_failed("cannot write a counter snapshot", error);
             }
+        }
+        // The open segment's preallocated tail is given back.
+        if let Err(error) = self.writer.lock().segment.trim() {
+            self.write_failed("cannot trim the open counter segment", error);
         }
         match self.sync() {
             Ok(()) => tracing::info!(dir = %self.dir.display(), "data dir synced"),
-            Err(error) => {
-                tracing::error!(dir = %self.dir.display(), %error, "cannot sync the data dir")
-            }
+            Err(error) => self.write_failed("cannot sync the data dir", error),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(dir: &Path) -> Result<(Arc<NodeDisk>, Startup), DiskError> {
+        let store = Arc::new(MemoryStore::new(crate::store::MemoryStoreConfig {
+            stripes: 4,
+            live_keys_max: 1_000,
+        }));
+        NodeDisk::open(
+            &DiskConfig {
+                dir: dir.to_path_buf(),
+                fsync: FsyncPolicy::Never,
+                fsync_interval_ms: 1_000,
+            },
+            store,
+            Arc::new(crate::clock::SystemClock),
+        )
+    }
+
+    #[cfg(unix)]
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_new_data_dir_is_private_and_a_loose_one_is_tightened() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        // New: the dir, its counters dir and its files are this user's only.
+        let new = root.path().join("new/node-1");
+        let (disk, _) = open(&new).unwrap();
+        disk.meta_append(MetaRecord::Fence { shard: 0, term: 1 })
+            .unwrap();
+        disk.close();
+        assert_eq!(mode(&new), 0o700);
+        assert_eq!(mode(&new.join("counters")), 0o700);
+        assert_eq!(mode(&new.join("meta.log")), 0o600);
+        let segment = std::fs::read_dir(new.join("counters"))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        assert_eq!(mode(&segment), 0o600, "{}", segment.display());
+        drop(disk);
+        // Existing and readable by others (a dir made by hand, mode 755,
+        // or one from an older version): tightened to 700, both levels.
+        let loose = root.path().join("loose");
+        std::fs::create_dir_all(loose.join("counters")).unwrap();
+        for dir in [&loose, &loose.join("counters")] {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let (disk, _) = open(&loose).unwrap();
+        disk.close();
+        assert_eq!(mode(&loose), 0o700);
+        assert_eq!(mode(&loose.join("counters")), 0o700);
+    }
+
+    #[test]
+    fn write_errors_are_counted() {
+        let root = tempfile::tempdir().unwrap();
+        let (disk, _) = open(&root.path().join("node")).unwrap();
+        assert_eq!(disk.write_errors.load(Ordering::Relaxed), 0);
+        // The open segment, unmapped, becomes a file opened for reading
+        // only: its next write fails as a full or broken disk would make it.
+        disk.writer.lock().segment.trim().unwrap();
+        let segment = disk.writer.lock().segment.file.try_clone().unwrap();
+        disk.writer.lock().segment.file = File::open(root.path()).unwrap();
+        let mut states = Vec::new();
+        crate::cluster::data_frames::put_bytes(&mut states, b"k");
+        crate::cluster::data_frames::put_state(
+            &mut states,
+            &CounterState::Window {
+                end_ms: u64::MAX / 2,
+                used: 1,
+            },
+        );
+        disk.log_section(1, &states);
+        disk.write_pending();
+        assert_eq!(disk.write_errors.load(Ordering::Relaxed), 1);
+        disk.write_failed("a test failure", std::io::Error::other("disk full"));
+        assert_eq!(disk.write_errors.load(Ordering::Relaxed), 2);
+        disk.writer.lock().segment.file = segment;
+        disk.close();
     }
 }

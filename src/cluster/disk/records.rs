@@ -13,6 +13,13 @@
 //! Everything before that point is returned: the records are independent
 //! (counter merges are idempotent, metadata records are replayed in order),
 //! so a valid prefix is always a consistent, older state.
+//!
+//! A counter segment is preallocated and filled through a memory mapping
+//! (`counters.rs`), so a segment a crash left behind ends in zeros: zeros
+//! from a record boundary to the end of the file are the file's clean end
+//! (no record is all zeros: its checksum would not match), and a record
+//! that does not check out followed only by zeros is a truncated tail (the
+//! process or the machine stopped while it was being copied).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -128,7 +135,8 @@ pub fn scan_bytes(bytes: &[u8], mut visit: impl FnMut(&[u8])) -> Scan {
     let mut records = 0;
     let end = loop {
         let rest = &bytes[at..];
-        if rest.is_empty() {
+        if rest.is_empty() || (rest[0] == 0 && all_zeros(rest)) {
+            // The end, or the unused tail of a preallocated segment.
             break End::Clean;
         }
         if rest.len() < FRAME_HEADER_BYTES {
@@ -147,6 +155,11 @@ pub fn scan_bytes(bytes: &[u8], mut visit: impl FnMut(&[u8])) -> Scan {
             break End::TruncatedTail { at: at as u64 };
         };
         if checksum(len, payload) != crc {
+            let after = &rest[FRAME_HEADER_BYTES + payload_len..];
+            if !after.is_empty() && all_zeros(after) {
+                // Cut short while being copied into a preallocated segment.
+                break End::TruncatedTail { at: at as u64 };
+            }
             break End::Corrupt {
                 at: at as u64,
                 why: "checksum mismatch".into(),
@@ -163,6 +176,10 @@ pub fn scan_bytes(bytes: &[u8], mut visit: impl FnMut(&[u8])) -> Scan {
     }
 }
 
+fn all_zeros(bytes: &[u8]) -> bool {
+    bytes.iter().all(|&b| b == 0)
+}
+
 /// Reads the file at `path` (see [`scan_bytes`]).
 pub fn scan_file(path: &Path, visit: impl FnMut(&[u8])) -> std::io::Result<Scan> {
     let mut bytes = Vec::new();
@@ -170,13 +187,14 @@ pub fn scan_file(path: &Path, visit: impl FnMut(&[u8])) -> std::io::Result<Scan>
     Ok(scan_bytes(&bytes, visit))
 }
 
-/// Creates (or truncates) a record file holding only the magic.
+/// Creates (or empties) a record file, mode 0600, and writes the magic.
 pub fn create(path: &Path) -> std::io::Result<File> {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .open(path)?;
+    let mut options = std::fs::OpenOptions::new();
+    // Readable too: a counter segment is mapped shared, which needs both.
+    options.create(true).read(true).write(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut file = options.open(path)?;
     file.write_all(MAGIC)?;
     Ok(file)
 }
@@ -303,6 +321,31 @@ mod tests {
         assert_eq!(scan.end, End::Clean);
     }
 
+    #[test]
+    fn a_preallocated_tail_of_zeros_is_the_end_and_a_half_copied_record_a_truncated_tail() {
+        let whole = file_of(&[b"one".to_vec(), b"two".to_vec()]);
+        let mut padded = whole.clone();
+        padded.resize(whole.len() + 4096, 0);
+        let (seen, scan) = read(&padded);
+        assert_eq!(seen, vec![b"one".to_vec(), b"two".to_vec()]);
+        assert_eq!(scan.end, End::Clean);
+        assert_eq!(scan.valid_bytes, whole.len() as u64);
+        // The last record's payload only partly copied, zeros after it.
+        let mut torn = padded.clone();
+        let last = whole.len() - 2;
+        torn[last..whole.len()].fill(0);
+        let (seen, scan) = read(&torn);
+        assert_eq!(seen, vec![b"one".to_vec()]);
+        assert!(matches!(scan.end, End::TruncatedTail { .. }), "{scan:?}");
+        // A damaged record with more records after it is still corruption.
+        let mut flipped = file_of(&[b"one".to_vec(), b"two".to_vec(), b"three".to_vec()]);
+        flipped[MAGIC.len() + FRAME_HEADER_BYTES] ^= 1;
+        flipped.resize(flipped.len() + 64, 0);
+        let (seen, scan) = read(&flipped);
+        assert!(seen.is_empty());
+        assert!(matches!(scan.end, End::Corrupt { .. }), "{scan:?}");
+    }
+
     proptest! {
         /// Whatever happens to a file's bytes (cut anywhere, any byte
         /// flipped), reading it never panics and returns a prefix of what
@@ -314,8 +357,11 @@ mod tests {
             flip in any::<prop::sample::Index>(),
             flip_bits in 1u8..=255,
             do_flip in any::<bool>(),
+            zeros in 0usize..48,
         ) {
+            // Some files end in zeros, as a preallocated segment does.
             let mut bytes = file_of(&payloads);
+            bytes.resize(bytes.len() + zeros, 0);
             let len = cut.index(bytes.len() + 1);
             bytes.truncate(len);
             if do_flip && !bytes.is_empty() {
@@ -326,7 +372,7 @@ mod tests {
             prop_assert!(seen.len() <= payloads.len());
             prop_assert_eq!(&payloads[..seen.len()], &seen[..]);
             prop_assert!(scan.valid_bytes <= bytes.len() as u64);
-            if !do_flip && len == file_of(&payloads).len() {
+            if !do_flip && len >= file_of(&payloads).len() {
                 prop_assert_eq!(scan.end, End::Clean);
                 prop_assert_eq!(seen.len(), payloads.len());
             }

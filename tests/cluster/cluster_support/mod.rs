@@ -128,6 +128,9 @@ pub struct TestCluster {
     /// With [`TestCluster::start_droplet`]: each node's droplet WebSocket
     /// endpoint (`--droplet-listen`).
     pub droplet: BTreeMap<u64, SocketAddr>,
+    /// Environment variables node `id` is started with (from its next
+    /// start on), e.g. the test-only `TOLLGATE_TEST_PEER_PROTOCOL`.
+    pub env: BTreeMap<u64, Vec<(String, String)>>,
 }
 
 /// A shard's leader and term, as one node reports them.
@@ -281,6 +284,7 @@ impl TestCluster {
             metrics,
             grpc: grpc_addrs,
             droplet: droplet_addrs,
+            env: BTreeMap::new(),
         };
         for id in 1..=count as u64 {
             cluster.spawn(id, None);
@@ -367,6 +371,7 @@ impl TestCluster {
             args.push("--data-dir".to_string());
             args.push(self.data_dir(id).display().to_string());
         }
+        let env = self.env.get(&id).cloned().unwrap_or_default();
         let node = self.node(id);
         node.restarts += 1;
         let log =
@@ -381,6 +386,7 @@ impl TestCluster {
             .arg("--cluster-secret-file")
             .arg(secret)
             .env_remove("TOLLGATE_CLUSTER_SECRET")
+            .envs(env)
             .args(&args)
             .arg(&rules)
             .stdout(log.try_clone().unwrap())
