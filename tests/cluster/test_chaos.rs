@@ -85,6 +85,19 @@ fn chaos(consistency: &str) -> (Vec<Hit>, Vec<(&'static str, Instant)>) {
     cluster.heal_all();
     cluster.wait_converged(Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(1_000));
+    // The load is paced to reach the limit about half-way, but a loaded
+    // machine answers fewer hits: it goes on (bounded) until the limit is
+    // reached, so that the over-admission checks below always see it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline
+        && !log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|h| h.answer == Answered::False)
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     stop.store(true, Ordering::Relaxed);
     for thread in threads {
         thread.join().unwrap();

@@ -306,15 +306,21 @@ fn restarted_node_catches_up_by_sync_with_counters_intact() {
         live_keys.iter().all(|&k| k == live_keys[0]),
         "live keys differ: {live_keys:?}"
     );
-    // The leaders sent node 3 their shards' counters when it came back.
-    let leader_logs = format!("{}{}", cluster.log(1), cluster.log(2));
-    assert!(
-        leader_logs.lines().any(
-            |l| l.contains("caught a replica up with the leader's counters")
-                && l.contains("peer=3")
-        ),
-        "{leader_logs}"
-    );
+    // The leaders sent node 3 their shards' counters when it came back. A
+    // leader logs that once its sync is done, which may come a moment after
+    // the cluster reads healthy: the logs are read again for a while.
+    let synced = |logs: &str| {
+        logs.lines().any(|l| {
+            l.contains("caught a replica up with the leader's counters") && l.contains("peer=3")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut leader_logs = format!("{}{}", cluster.log(1), cluster.log(2));
+    while !synced(&leader_logs) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        leader_logs = format!("{}{}", cluster.log(1), cluster.log(2));
+    }
+    assert!(synced(&leader_logs), "{leader_logs}");
     // Node 3 now stands in for node 1: counters are whole on {2, 3}.
     cluster.kill(1);
     wait_all_shards_serve(cluster.client(3), &user_per_shard(), FAILOVER_BOUND);

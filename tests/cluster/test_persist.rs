@@ -254,13 +254,15 @@ fn sigkill_of_every_node_under_strict_load_keeps_every_acknowledged_hit() {
 fn a_damaged_data_dir_names_the_file_and_the_node_recovers_from_its_peers() {
     let (mut cluster, users, before) = cluster_with_counters(&[], "damaged", 40);
     cluster.stop(3, Duration::from_secs(15));
-    // Flip a byte in the middle of node 3's metadata log, and cut its
-    // newest counter segment short.
+    // Flip a byte in the payload of the record in the middle of node 3's
+    // metadata log (a byte of a record's length could instead claim more
+    // than the file holds, which reads as a cut tail), and cut its newest
+    // counter segment short.
     let dir = cluster.data_dir(3);
     let meta = dir.join("meta.log");
     let mut bytes = std::fs::read(&meta).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x5a;
+    let flipped = payload_byte_near_middle(&bytes);
+    bytes[flipped] ^= 0x5a;
     std::fs::write(&meta, &bytes).unwrap();
     let counters = dir.join("counters");
     let mut segments: Vec<_> = std::fs::read_dir(&counters)
@@ -328,4 +330,21 @@ fn a_full_restart_after_add_and_remove_uses_the_members_from_the_data_dirs() {
         assert_eq!(credits(&cluster, via, "/big", &users), before, "via {via}");
     }
     assert!(!cluster.running(2));
+}
+
+/// A byte inside the payload of the record that holds the middle of a
+/// record file (`[magic: 8 bytes]`, then `[length u32 LE][crc u32 LE]
+/// [payload]` per record: src/cluster/disk/records.rs).
+fn payload_byte_near_middle(file: &[u8]) -> usize {
+    let middle = file.len() / 2;
+    let mut at = 8;
+    loop {
+        let length = u32::from_le_bytes(file[at..at + 4].try_into().unwrap()) as usize;
+        let end = at + 8 + length;
+        if end > middle || end >= file.len() {
+            assert!(length > 0, "an empty record at {at}");
+            return at + 8 + length / 2;
+        }
+        at = end;
+    }
 }
