@@ -225,8 +225,12 @@ impl Loop {
         let mut completions: Vec<(u64, i32)> = Vec::with_capacity(256);
         let mut last_tick = Instant::now();
         let tick = types::Timespec::from(TICK);
+        let brief = types::Timespec::from(Duration::from_millis(1));
+        let mut shutdown_seen = false;
         loop {
-            if draining_since.is_none() && *shutdown.borrow() {
+            if draining_since.is_none() && shutdown_seen {
+                // One turn after the signal (receives that were ready then
+                // are in): stop reading, answer what was read, close.
                 draining_since = Some(Instant::now());
                 if accept_armed {
                     self.push(&opcode::AsyncCancel::new(ACCEPT).build().user_data(CANCEL));
@@ -251,7 +255,16 @@ impl Loop {
                 self.push(&accept);
                 accept_armed = true;
             }
-            let args = types::SubmitArgs::new().timespec(&tick);
+            if !shutdown_seen && *shutdown.borrow() {
+                // Completions the kernel holds back until asked (deferred
+                // task work) are reaped by one more, brief, turn.
+                shutdown_seen = true;
+            }
+            let wait = match (shutdown_seen, draining_since) {
+                (true, None) => &brief,
+                _ => &tick,
+            };
+            let args = types::SubmitArgs::new().timespec(wait);
             match self.ring.submitter().submit_with_args(1, &args) {
                 Ok(_) => {}
                 Err(error)
@@ -473,6 +486,7 @@ impl Loop {
                         .user_data(((index as u64) << 8) | OP_RECV),
                 );
                 conn.recv_armed = true;
+                conn.cancel_asked = false;
             }
         }
         let stop_receiving = conn.state == State::Done
