@@ -32,7 +32,7 @@ const RING_ENTRIES: u32 = 1024;
 const READ_CHUNK_BYTES: usize = 16 * 1024;
 /// A connection stops receiving while this many reply bytes wait behind a
 /// send in flight (backpressure on a client that does not read).
-const OUTPUT_BYTES_MAX: usize = 64 * 1024;
+const OUTPUT_BYTES_MAX: usize = 16 * 1024;
 /// How often timeouts and shutdown are checked while nothing completes.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a closing connection drains what the client still sends (as the
