@@ -57,7 +57,15 @@ pub struct UringServer {
 /// Binds one listener per serving thread, after checking that the kernel
 /// gives this process a ring at all.
 pub fn bind(config: ServerConfig, engine: Arc<Engine>) -> io::Result<UringServer> {
-    new_ring().map_err(|error| {
+    // The probe's ring lives and dies on a thread of its own: tearing a ring
+    // down signals the task that made it (task work), which would interrupt
+    // a blocking call of the caller's with EINTR.
+    let probed = std::thread::Builder::new()
+        .name("tollgate-uring-probe".to_string())
+        .spawn(|| new_ring().map(drop))?
+        .join()
+        .unwrap_or_else(|_| Err(io::Error::other("the probe panicked")));
+    probed.map_err(|error| {
         io::Error::new(
             error.kind(),
             format!("--io-uring: the kernel refused an io_uring instance: {error}"),
@@ -265,15 +273,22 @@ impl Loop {
                 _ => &tick,
             };
             let args = types::SubmitArgs::new().timespec(wait);
-            match self.ring.submitter().submit_with_args(1, &args) {
-                Ok(_) => {}
-                Err(error)
-                    if error.raw_os_error() == Some(libc::ETIME)
-                        || error.raw_os_error() == Some(libc::EINTR)
-                        || error.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(error) => {
-                    tracing::error!(%error, "io_uring_enter failed; this serving thread stops");
-                    return;
+            if let Err(error) = self.ring.submitter().submit_with_args(1, &args) {
+                match error.raw_os_error() {
+                    Some(libc::ETIME | libc::EINTR | libc::EBUSY) => {}
+                    // A ring this loop set up wrongly: nothing will ever work.
+                    Some(
+                        libc::EBADF | libc::EFAULT | libc::EINVAL | libc::ENXIO | libc::EOPNOTSUPP,
+                    ) => {
+                        tracing::error!(%error, "io_uring_enter failed; this serving thread stops");
+                        return;
+                    }
+                    // Short of memory or resources (EAGAIN, ENOMEM, EBADR): the
+                    // connections stay; try again in a moment.
+                    _ => {
+                        tracing::warn!(%error, "io_uring_enter failed; retrying");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
                 }
             }
             completions.clear();
