@@ -18,6 +18,7 @@
 #   REDIS_SERVER=redis-server
 #   TOLLGATE_THREADS=1  serving threads: one, like Redis, since the generator takes the other core
 #                       of a 2-core machine (give more on a bigger machine)
+#   TOLLGATE_SERVE_ARGS  more flags for `tollgate serve`, split on spaces (e.g. --io-uring)
 #
 # Every run uses its own actor names (prefix w<workload>r<round>), so each starts from fresh
 # counters on both servers. Everything started here is stopped on exit.
@@ -89,7 +90,9 @@ wait_for() {
 }
 
 echo "== starting tollgate (embedded default rules) and redis on loopback; results in $OUT"
-"$TOLLGATE" serve --listen 127.0.0.1:0 --threads "${TOLLGATE_THREADS:-1}" >"$OUT/tollgate.log" 2>&1 &
+# shellcheck disable=SC2086 # the extra flags are meant to split
+"$TOLLGATE" serve --listen 127.0.0.1:0 --threads "${TOLLGATE_THREADS:-1}" ${TOLLGATE_SERVE_ARGS:-} \
+    >"$OUT/tollgate.log" 2>&1 &
 PIDS+=($!)
 TOLLGATE_PID=$!
 tollgate_addr() {

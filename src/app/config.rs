@@ -82,6 +82,9 @@ pub struct ServeConfig {
     pub observability: ObservabilityConfig,
     pub redis: RedisConfig,
     pub cluster: ClusterConfig,
+    /// Serve the line protocol on the experimental io_uring loop (Linux,
+    /// in-memory backend only).
+    pub io_uring: bool,
 }
 
 impl Default for ServeConfig {
@@ -103,6 +106,7 @@ impl Default for ServeConfig {
             observability: ObservabilityConfig::default(),
             redis: RedisConfig::default(),
             cluster: ClusterConfig::default(),
+            io_uring: false,
         }
     }
 }

@@ -22,7 +22,7 @@ use crate::metrics::Metrics;
 use crate::observability::health::Readiness;
 use crate::observability::{Observability, ObservabilityError, Observed};
 use crate::rules::{diagnostics, ConfigError, CurrentRules, RuleSet};
-use crate::server::{Limits, Server, ServerConfig, Serving};
+use crate::server::{Limits, LineEndpoint, ServerConfig, Serving};
 use crate::store::redis::{BackendKind, Persistence, RedisBackend, RedisSetupError};
 use crate::store::{Backend, MemoryBackend, MemoryStore, MemoryStoreConfig};
 use std::net::SocketAddr;
@@ -48,6 +48,8 @@ pub enum AppError {
         #[source]
         source: std::io::Error,
     },
+    #[error("--io-uring serves the in-memory backend only: not --backend redis, not --cluster")]
+    IoUringBackend,
     #[error("cannot join the cluster")]
     Cluster(#[source] ClusterError),
     #[error(transparent)]
@@ -91,6 +93,11 @@ fn check_modes(config: &ServeConfig) -> Result<(), AppError> {
         if config.redis.backend != BackendKind::Memory {
             return Err(AppError::RedisBackendInCluster);
         }
+    }
+    if config.io_uring
+        && (config.cluster.cluster_file.is_some() || config.redis.backend != BackendKind::Memory)
+    {
+        return Err(AppError::IoUringBackend);
     }
     Ok(())
 }
@@ -158,11 +165,13 @@ struct Endpoints {
     drain_timeout_ms: u64,
     message_bytes_max: usize,
     grpc: GrpcConfig,
+    /// Serve the line protocol on the io_uring loop (`--io-uring`).
+    io_uring: bool,
 }
 
 /// The bound endpoints: the line protocol always, the others when asked for.
 struct Bound {
-    line: Server,
+    line: LineEndpoint,
     droplet: Option<DropletServer>,
     grpc: Option<GrpcServer>,
 }
@@ -182,15 +191,17 @@ impl Endpoints {
             pipeline_max: self.limits.pipeline_max.max(1),
             ..self.limits
         };
-        let line = crate::server::bind(
-            ServerConfig {
-                listen: self.listen,
-                threads: self.threads,
-                limits,
-                drain_timeout_ms: self.drain_timeout_ms,
-            },
-            Arc::clone(engine),
-        )
+        let server_config = ServerConfig {
+            listen: self.listen,
+            threads: self.threads,
+            limits,
+            drain_timeout_ms: self.drain_timeout_ms,
+        };
+        let line = if self.io_uring {
+            crate::server::bind_io_uring(server_config, Arc::clone(engine))
+        } else {
+            crate::server::bind(server_config, Arc::clone(engine)).map(LineEndpoint::Epoll)
+        }
         .map_err(|source| AppError::Listen {
             addr: self.listen,
             source,
@@ -267,7 +278,7 @@ pub enum Control {
 /// serving yet.
 pub struct App {
     parts: Parts,
-    line: Server,
+    line: LineEndpoint,
     droplet: Option<DropletServer>,
     grpc: Option<GrpcServer>,
 }
@@ -420,6 +431,7 @@ impl App {
             drain_timeout_ms: config.drain_timeout_ms,
             message_bytes_max: config.droplet.message_bytes_max,
             grpc: config.grpc,
+            io_uring: config.io_uring,
         };
         let Bound {
             line,

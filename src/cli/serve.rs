@@ -53,6 +53,11 @@ pub struct ServeArgs {
     #[arg(long)]
     pub threads: Option<usize>,
 
+    /// Serve the line protocol on an experimental io_uring loop (Linux, the
+    /// in-memory backend only) instead of epoll.
+    #[arg(long)]
+    pub io_uring: bool,
+
     /// Longest request line in bytes; longer gets `ERR unknown "line too long"`.
     #[arg(long, default_value_t = Limits::default().line_bytes_max)]
     pub line_bytes_max: usize,
@@ -321,6 +326,7 @@ impl ServeArgs {
             observability: self.observability.into_config()?,
             redis: self.redis.into_config(),
             cluster,
+            io_uring: self.io_uring,
         })
     }
 }

@@ -9,6 +9,8 @@ pub mod connection;
 pub mod host;
 pub mod socket;
 pub mod thread_per_core;
+#[cfg(target_os = "linux")]
+pub mod uring;
 
 use crate::engine::Engine;
 use std::net::SocketAddr;
@@ -97,6 +99,60 @@ pub type Server = ThreadPerCore<LineProtocol>;
 
 /// The line protocol's endpoint, serving.
 pub type RunningServer = Serving;
+
+/// The line protocol's endpoint, bound: on the epoll (tokio) path, or on
+/// the experimental io_uring loop (`--io-uring`).
+pub enum LineEndpoint {
+    Epoll(Server),
+    #[cfg(target_os = "linux")]
+    Uring(uring::UringServer),
+}
+
+impl LineEndpoint {
+    pub fn local_addr(&self) -> SocketAddr {
+        match self {
+            LineEndpoint::Epoll(server) => server.local_addr(),
+            #[cfg(target_os = "linux")]
+            LineEndpoint::Uring(server) => server.local_addr(),
+        }
+    }
+
+    /// See [`ThreadPerCore::host_first_on`] (the io_uring loop, never used
+    /// in a cluster, keeps its own threads).
+    pub fn host_first_on(self, host: Arc<host::HostThread>) -> Self {
+        match self {
+            LineEndpoint::Epoll(server) => LineEndpoint::Epoll(server.host_first_on(host)),
+            #[cfg(target_os = "linux")]
+            other => other,
+        }
+    }
+
+    /// Starts serving and returns at once.
+    pub fn spawn(self) -> std::io::Result<Serving> {
+        match self {
+            LineEndpoint::Epoll(server) => server.spawn(),
+            #[cfg(target_os = "linux")]
+            LineEndpoint::Uring(server) => server.spawn(),
+        }
+    }
+}
+
+/// Binds the line protocol's listeners for the io_uring loop; refused where
+/// there is no io_uring (not Linux, or the kernel refuses a ring).
+pub fn bind_io_uring(config: ServerConfig, engine: Arc<Engine>) -> std::io::Result<LineEndpoint> {
+    #[cfg(target_os = "linux")]
+    {
+        uring::bind(config, engine).map(LineEndpoint::Uring)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (config, engine);
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "--io-uring: io_uring exists only on Linux",
+        ))
+    }
+}
 
 /// Binds the line protocol's listeners (one per serving thread) for `engine`
 /// to answer; [`ThreadPerCore::spawn`] starts serving.

@@ -141,7 +141,7 @@ impl InputBuffer {
 
     /// Free space for the next read: compacts, and grows (up to the cap)
     /// when a long line fills the buffer.
-    fn spare(&mut self) -> &mut [u8] {
+    pub(crate) fn spare(&mut self) -> &mut [u8] {
         if self.bytes.len() - self.end < self.read_chunk / 4 && self.start > 0 {
             self.bytes.copy_within(self.start..self.end, 0);
             self.end -= self.start;
@@ -155,7 +155,7 @@ impl InputBuffer {
         &mut self.bytes[self.end..]
     }
 
-    fn filled(&mut self, n: usize) {
+    pub(crate) fn filled(&mut self, n: usize) {
         self.end += n;
     }
 }

@@ -85,6 +85,23 @@ pub fn refuse_if_in_use(addr: SocketAddr) -> std::io::Result<()> {
     probe.bind(&addr.into())
 }
 
+/// Binds one `SO_REUSEPORT` listener per serving thread (at least one) on
+/// `listen`, refusing an address already in use; returns them and the
+/// address they share (port 0 resolved).
+pub fn bind_listeners(
+    listen: SocketAddr,
+    threads: usize,
+) -> std::io::Result<(Vec<std::net::TcpListener>, SocketAddr)> {
+    refuse_if_in_use(listen)?;
+    let first = bind_reuseport(listen)?;
+    let local_addr = first.local_addr()?;
+    let mut listeners = vec![first];
+    for _ in 1..threads.max(1) {
+        listeners.push(bind_reuseport(local_addr)?);
+    }
+    Ok((listeners, local_addr))
+}
+
 /// An endpoint whose listeners are bound (so its address is known, port 0
 /// included) but which does not serve yet.
 pub struct ThreadPerCore<H: ConnectionHandler> {
@@ -104,13 +121,7 @@ impl<H: ConnectionHandler> ThreadPerCore<H> {
         handler: Arc<H>,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<ThreadPerCore<H>> {
-        refuse_if_in_use(config.listen)?;
-        let first = bind_reuseport(config.listen)?;
-        let local_addr = first.local_addr()?;
-        let mut listeners = vec![first];
-        for _ in 1..config.threads.max(1) {
-            listeners.push(bind_reuseport(local_addr)?);
-        }
+        let (listeners, local_addr) = bind_listeners(config.listen, config.threads)?;
         Ok(ThreadPerCore {
             listeners,
             local_addr,
@@ -223,6 +234,23 @@ impl ServingThread {
 }
 
 impl Serving {
+    /// An endpoint served by `threads` of its own, which stop once
+    /// `shutdown` turns true (the io_uring loop).
+    #[cfg(target_os = "linux")]
+    pub(crate) fn from_threads(
+        local_addr: SocketAddr,
+        shutdown: watch::Sender<bool>,
+        threads: Vec<std::thread::JoinHandle<()>>,
+    ) -> Serving {
+        Serving {
+            local_addr,
+            shutdown: ShutdownHandle {
+                sender: Arc::new(shutdown),
+            },
+            threads: threads.into_iter().map(ServingThread::Own).collect(),
+        }
+    }
+
     /// Waits until every serving thread has drained and stopped.
     pub fn join(mut self) {
         for thread in std::mem::take(&mut self.threads) {

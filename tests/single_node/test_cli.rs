@@ -156,7 +156,18 @@ fn terminate(served: &mut Served) -> std::process::ExitStatus {
 
 #[test]
 fn serve_runs_the_embedded_default_and_shuts_down_gracefully() {
-    let mut served = serve(&["--listen", "127.0.0.1:0", "--threads", "2"], &[]);
+    serves_the_embedded_default_and_shuts_down_gracefully(&[]);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn serve_on_io_uring_runs_the_embedded_default_and_shuts_down_gracefully() {
+    serves_the_embedded_default_and_shuts_down_gracefully(&["--io-uring"]);
+}
+
+fn serves_the_embedded_default_and_shuts_down_gracefully(flags: &[&str]) {
+    let args = [&["--listen", "127.0.0.1:0", "--threads", "2"], flags].concat();
+    let mut served = serve(&args, &[]);
     let mut stream = util::connect(served.addr);
     assert_eq!(
         util::request(&mut stream, "HIT method=GET path=/status"),
@@ -173,7 +184,39 @@ fn serve_runs_the_embedded_default_and_shuts_down_gracefully() {
 
 #[test]
 fn shutdown_answers_requests_already_received() {
-    let mut served = serve(&["--listen", "127.0.0.1:0", "--threads", "1"], &[]);
+    answers_requests_already_received_on_shutdown(&[]);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn shutdown_on_io_uring_answers_requests_already_received() {
+    answers_requests_already_received_on_shutdown(&["--io-uring"]);
+}
+
+#[test]
+fn io_uring_refuses_the_redis_backend() {
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--io-uring",
+            "--backend",
+            "redis",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("--io-uring serves the in-memory backend only"),
+        "{stderr}"
+    );
+}
+
+fn answers_requests_already_received_on_shutdown(flags: &[&str]) {
+    let args = [&["--listen", "127.0.0.1:0", "--threads", "1"], flags].concat();
+    let mut served = serve(&args, &[]);
     let mut stream = util::connect(served.addr);
     let batch: String = (0..2000).map(|_| "HIT method=GET path=/status\n").collect();
     stream.write_all(batch.as_bytes()).unwrap();

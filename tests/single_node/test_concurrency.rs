@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::sync::Barrier;
 use util::TestServer;
 
-#[test]
+// On both serving loops: epoll and io_uring.
+crate::in_both_serving_modes!(many_connections_on_all_threads_admit_exactly_the_limit);
+
 fn many_connections_on_all_threads_admit_exactly_the_limit() {
     const LIMIT: usize = 5_000;
     const CONNECTIONS: usize = 32;

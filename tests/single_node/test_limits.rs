@@ -10,6 +10,20 @@ use tollgate::server::Limits;
 use tollgate::store::MemoryStoreConfig;
 use util::{connect, request, TestOptions, TestServer};
 
+// These run against both serving loops: epoll and io_uring (whose replies
+// never wait, so the bound on replies awaiting a backend is epoll's alone).
+crate::in_both_serving_modes!(
+    a_line_longer_than_the_limit_gets_an_error_and_close_after_earlier_answers,
+    connections_beyond_the_limit_are_refused_with_an_error,
+    a_client_that_never_reads_is_backpressured_and_others_are_unaffected,
+    idle_connections_are_closed_when_configured,
+    live_key_cap_answers_an_error_for_new_actors_only,
+    unavailability_policies_decide_what_hits_get_at_the_live_key_cap,
+    a_line_trickling_in_slower_than_the_line_timeout_is_dropped,
+    a_panic_in_one_connection_closes_only_that_connection,
+    memory_stays_bounded_under_partial_line_and_unread_answer_attacks,
+);
+
 const RULES: &str =
     "[op=a]\ncreditLimit=1000000\nresetSeconds=60\nactorField=u\n[default]\ncreditLimit=0\n";
 
@@ -23,7 +37,6 @@ fn start(limits: Limits) -> TestServer {
     )
 }
 
-#[test]
 fn a_line_longer_than_the_limit_gets_an_error_and_close_after_earlier_answers() {
     let server = start(Limits {
         line_bytes_max: 1024,
@@ -54,7 +67,6 @@ fn a_line_longer_than_the_limit_gets_an_error_and_close_after_earlier_answers() 
     assert_eq!(request(&mut other, "HIT op=a u=z"), "OK true 999999 60");
 }
 
-#[test]
 fn connections_beyond_the_limit_are_refused_with_an_error() {
     let server = start(Limits {
         connections_max: 4,
@@ -89,7 +101,6 @@ fn connections_beyond_the_limit_are_refused_with_an_error() {
     }
 }
 
-#[test]
 fn a_client_that_never_reads_is_backpressured_and_others_are_unaffected() {
     let server = start(Limits {
         pipeline_max: 16,
@@ -154,7 +165,6 @@ fn a_client_that_never_reads_is_backpressured_and_others_are_unaffected() {
     assert!(sent_requests > 1000, "sent {sent_requests}");
 }
 
-#[test]
 fn idle_connections_are_closed_when_configured() {
     let server = start(Limits {
         idle_timeout_ms: 200,
@@ -173,7 +183,6 @@ fn idle_connections_are_closed_when_configured() {
     );
 }
 
-#[test]
 fn live_key_cap_answers_an_error_for_new_actors_only() {
     let server = TestServer::start(
         RuleSet::from_ini(RULES).unwrap(),
@@ -271,7 +280,6 @@ fn pipelined_requests_awaiting_answers_are_bounded_per_connection() {
     assert_eq!(held.started.load(Ordering::SeqCst), 100);
 }
 
-#[test]
 fn unavailability_policies_decide_what_hits_get_at_the_live_key_cap() {
     use tollgate::engine::UnavailablePolicy;
     for (policy, expected) in [
@@ -307,7 +315,6 @@ fn unavailability_policies_decide_what_hits_get_at_the_live_key_cap() {
     }
 }
 
-#[test]
 fn a_line_trickling_in_slower_than_the_line_timeout_is_dropped() {
     let server = start(Limits {
         line_timeout_ms: 300,
@@ -353,7 +360,6 @@ impl tollgate::engine::CommandExtension for PanicOnQuery {
     }
 }
 
-#[test]
 fn a_panic_in_one_connection_closes_only_that_connection() {
     let server = TestServer::start(
         RuleSet::from_ini(RULES).unwrap(),
@@ -396,10 +402,15 @@ fn resident_bytes() -> u64 {
         * 4096
 }
 
-#[test]
 fn memory_stays_bounded_under_partial_line_and_unread_answer_attacks() {
     const PARTIAL_LINE_ATTACKERS: usize = 150;
     const FLOODERS: usize = 20;
+    // The process's RSS is measured: the epoll and io_uring runs of this
+    // test take turns rather than attack at once.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let server = start(Limits {
         line_bytes_max: 64 * 1024,
         ..Limits::default()

@@ -7,7 +7,21 @@ use crate::util;
 use std::io::{Read, Write};
 use util::{converse, request, TestServer};
 
-#[test]
+// Every test here runs against both serving loops: epoll and io_uring.
+crate::in_both_serving_modes!(
+    every_error_row_of_the_spec_answers_exact_bytes_and_closes,
+    quoting_crlf_and_case_insensitive_commands,
+    pipelined_requests_are_answered_in_order_in_one_write,
+    nothing_after_an_error_is_executed,
+    partial_line_at_close_is_not_executed,
+    lone_cr_is_whitespace_inside_a_line,
+    readme_walkthrough_transcript,
+    canary_rules_consume_quota_but_the_stop_rule_answers,
+    peek_answers_like_hit_without_consuming,
+    actors_are_never_interpreted_and_missing_actor_is_empty,
+    invalid_utf8_is_read_lossily_and_answered,
+);
+
 fn every_error_row_of_the_spec_answers_exact_bytes_and_closes() {
     let server = TestServer::start_default();
     let table: &[(&str, &str)] = &[
@@ -61,7 +75,6 @@ fn every_error_row_of_the_spec_answers_exact_bytes_and_closes() {
     }
 }
 
-#[test]
 fn quoting_crlf_and_case_insensitive_commands() {
     let server = TestServer::start_default();
     let answer = converse(
@@ -71,7 +84,6 @@ fn quoting_crlf_and_case_insensitive_commands() {
     assert_eq!(answer, "OK true 999 60\nOK true 998 60\nOK true 997 60\n");
 }
 
-#[test]
 fn pipelined_requests_are_answered_in_order_in_one_write() {
     let server = TestServer::start_ini(
         "[op=a]\ncreditLimit=2\nresetSeconds=60\n[op=b]\ncreditLimit=0\n[default]\ncreditLimit=5\nresetSeconds=0\n",
@@ -95,7 +107,6 @@ fn pipelined_requests_are_answered_in_order_in_one_write() {
     assert_eq!(converse(server.addr, input.as_bytes()), expected);
 }
 
-#[test]
 fn nothing_after_an_error_is_executed() {
     let server = TestServer::start_ini(
         "[op=a]\ncreditLimit=10\nresetSeconds=60\n[default]\ncreditLimit=0\n",
@@ -114,7 +125,6 @@ fn nothing_after_an_error_is_executed() {
     assert_eq!(request(&mut stream, "HIT op=a"), "OK true 7 60");
 }
 
-#[test]
 fn partial_line_at_close_is_not_executed() {
     let server = TestServer::start_ini(
         "[op=a]\ncreditLimit=10\nresetSeconds=60\n[default]\ncreditLimit=0\n",
@@ -127,7 +137,6 @@ fn partial_line_at_close_is_not_executed() {
     assert_eq!(request(&mut stream, "HIT op=a"), "OK true 8 60");
 }
 
-#[test]
 fn lone_cr_is_whitespace_inside_a_line() {
     let server = TestServer::start_default();
     assert_eq!(
@@ -136,7 +145,6 @@ fn lone_cr_is_whitespace_inside_a_line() {
     );
 }
 
-#[test]
 fn readme_walkthrough_transcript() {
     let server = TestServer::start_default();
     let mut stream = server.connect();
@@ -178,7 +186,6 @@ fn readme_walkthrough_transcript() {
     );
 }
 
-#[test]
 fn canary_rules_consume_quota_but_the_stop_rule_answers() {
     let server = TestServer::start_ini(
         r#"
@@ -216,7 +223,6 @@ matchPolicy = canary
     assert_eq!(special_counts.get(HitStatus::CanaryRejected), 3);
 }
 
-#[test]
 fn peek_answers_like_hit_without_consuming() {
     let server =
         TestServer::start_ini("[op=a]\ncreditLimit=2\nresetSeconds=60\n[default]\ncreditLimit=0\n");
@@ -230,7 +236,6 @@ fn peek_answers_like_hit_without_consuming() {
     assert_eq!(request(&mut stream, "PEEK op=zzz"), "OK false 0 -1");
 }
 
-#[test]
 fn actors_are_never_interpreted_and_missing_actor_is_empty() {
     let server = TestServer::start_ini(
         "[op=a]\ncreditLimit=1\nresetSeconds=60\nactorField=user\n[default]\ncreditLimit=0\n",
@@ -243,7 +248,6 @@ fn actors_are_never_interpreted_and_missing_actor_is_empty() {
     assert_eq!(request(&mut stream, "HIT op=a user="), "OK false 0 60");
 }
 
-#[test]
 fn invalid_utf8_is_read_lossily_and_answered() {
     let server =
         TestServer::start_ini("[op=a]\ncreditLimit=1\nresetSeconds=60\n[default]\ncreditLimit=0\n");

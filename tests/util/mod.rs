@@ -25,16 +25,47 @@ use tollgate::store::{MemoryStore, MemoryStoreConfig};
 /// How long any single socket read in a test may wait before failing.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
+thread_local! {
+    /// Servers this test thread starts serve on the io_uring loop.
+    static IO_URING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `test` with every server it starts serving the line protocol on the
+/// io_uring loop (`--io-uring`) instead of epoll.
+pub fn with_io_uring(test: fn()) {
+    IO_URING.with(|mode| mode.set(true));
+    test();
+    IO_URING.with(|mode| mode.set(false));
+}
+
 /// A server's configuration for tests: `rules`, on 127.0.0.1 port 0, two
-/// serving threads, a short drain.
+/// serving threads, a short drain (on the io_uring loop within
+/// [`with_io_uring`]).
 pub fn test_config(rules: RuleSet) -> ServeConfig {
     ServeConfig {
         rules: RuleSource::Loaded(rules),
         listen: Some("127.0.0.1:0".parse().unwrap()),
         threads: Some(2),
         drain_timeout_ms: 2_000,
+        io_uring: IO_URING.with(std::cell::Cell::get),
         ..ServeConfig::default()
     }
+}
+
+/// Runs each named test (a `fn()` of the calling module) twice: as
+/// `epoll::<name>`, and as `io_uring::<name>` with its servers on the
+/// io_uring loop (Linux only).
+#[macro_export]
+macro_rules! in_both_serving_modes {
+    ($($name:ident),* $(,)?) => {
+        mod epoll {
+            $( #[test] fn $name() { super::$name() } )*
+        }
+        #[cfg(target_os = "linux")]
+        mod io_uring {
+            $( #[test] fn $name() { $crate::util::with_io_uring(super::$name) } )*
+        }
+    };
 }
 
 /// A server started by [`App`]; stopped when dropped.
