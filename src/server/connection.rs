@@ -292,11 +292,18 @@ impl Connection {
         }
         let run = std::mem::take(&mut self.run);
         if answers.is_none() && run.iter().all(|item| matches!(item, RunItem::Ready(_))) {
-            // Nothing of the run waits: answer it now, behind what is pending.
-            for item in run {
-                if let RunItem::Ready(reply) = item {
-                    self.queue_reply(reply);
-                }
+            // Nothing of the run waits: answer it now, or behind what is
+            // pending as one entry (not one per reply).
+            let replies = run.into_iter().filter_map(|item| match item {
+                RunItem::Ready(reply) => Some(reply),
+                RunItem::Deferred(_) => None,
+            });
+            if self.pending.is_empty() {
+                replies.for_each(|reply| self.queue_reply(reply));
+            } else {
+                let replies: Vec<Reply> = replies.collect();
+                self.pending
+                    .push_back(PendingReplies::Run(Box::pin(std::future::ready(replies))));
             }
             return;
         }
