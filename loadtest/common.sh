@@ -1,7 +1,7 @@
 # Shared setup of the loadtest/ comparison scripts, sourced after they set
 # ROOT and TARGET_DIR: the release binaries (built unless SKIP_BUILD=1, or
 # given as TOLLGATE_BIN / LOADTEST_BIN) and the processes started here,
-# stopped on exit (add each one's pid to PIDS).
+# stopped on exit (add each one's pid to PIDS), and free_port.
 
 # find_binaries SCRIPT_NAME: sets TOLLGATE and LOADTEST, building them first
 # unless SKIP_BUILD is set or both are given; exits naming SCRIPT_NAME when
@@ -31,3 +31,8 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# A free loopback port (the kernel's pick, released before it is used).
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}

@@ -43,10 +43,6 @@ command -v "$REDIS_SERVER" >/dev/null || { echo "compare.sh: $REDIS_SERVER not f
 source "$ROOT/loadtest/common.sh"
 find_binaries compare.sh
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
-
 # answers HOST:PORT PAYLOAD PREFIX: true when the server answers PAYLOAD with a line starting with PREFIX.
 answers() {
     python3 - "$1" "$2" "$3" <<'EOF'

@@ -29,9 +29,6 @@ command -v redis-server >/dev/null || { echo "io-uring.sh: redis-server not foun
 source "$ROOT/loadtest/common.sh"
 find_binaries io-uring.sh
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
 declare -A PORT PID
 start() { # start NAME COMMAND...: runs it on PORT[NAME], waits until the port accepts
     local name=$1

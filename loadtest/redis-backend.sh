@@ -36,18 +36,9 @@ for b in "$TOLLGATE" "$LOADTEST"; do
     [[ -x $b ]] || { echo "bench-redis-backend.sh: $b is missing" >&2; exit 1; }
 done
 
-PIDS=()
-cleanup() {
-    local p
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
+# The processes started here (PIDS), stopped on exit.
+# shellcheck source=loadtest/common.sh
+source "$ROOT/loadtest/common.sh"
 
 REDIS_PORT=$(free_port)
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no >"$OUT/redis.log" 2>&1 &
