@@ -6,10 +6,11 @@
 use crate::clock::Clock;
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
-use crate::protocol::{encode_err, encode_ok, parse_line_into, ErrorCode, Pairs, Verb};
+use crate::protocol::{encode_err, encode_ok, parse_line_into, split_line, ErrorCode, Pairs, Verb};
 use crate::rules::{CurrentRules, MatchPolicy, Quota, RuleSet};
 use crate::store::{
-    Backend, BackendError, BatchDecided, CounterOp, Decided, Decisions, OpBatch, SlotAnswers,
+    Backend, BackendError, BatchDecided, CounterOp, Decided, Decisions, OpBatch, PrefetchHashes,
+    SlotAnswers, PREFETCH_KEYS_MAX,
 };
 use arc_swap::ArcSwap;
 use futures_util::future::BoxFuture;
@@ -18,6 +19,20 @@ use std::borrow::Cow;
 use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Most requests of one read planned, and their counters prefetched,
+/// before the first is decided ([`Engine::execute_hit_run`]).
+pub const READ_AHEAD_LINES_MAX: usize = 32;
+
+/// A request of a run parsed and matched, its counters prefetched, not yet
+/// decided.
+struct PlannedHit<'a> {
+    ops: SmallVec<[CounterOp<'a>; 2]>,
+    plan: Plan,
+    peek: bool,
+    /// Bytes of the read its line used (terminator included).
+    used: usize,
+}
 
 /// What a hit gets when its counter cannot be decided (backend down, live-key
 /// cap reached).
@@ -391,9 +406,95 @@ impl Engine {
     }
 
     /// The counter ops and the reply plan of a hit under `loaded`.
-    fn plan_hit<'a>(
+    /// Executes a run of `HIT`/`PEEK` lines at the start of `unread` in two
+    /// passes: every line is parsed and matched and its counters' store
+    /// lines prefetched, then each is decided in order. A read of many
+    /// requests then waits for their cache misses together, not one after
+    /// another. The run ends before a line of another command, a line that
+    /// is not ASCII or longer than `line_bytes_max`, an incomplete line, and
+    /// after `lines_max` lines (at most [`READ_AHEAD_LINES_MAX`]) or a reply
+    /// that closes the connection; those are left to [`Engine::execute`].
+    ///
+    /// Outcomes are pushed to `outcomes` in request order; returns the
+    /// bytes of `unread` they used. Does nothing (returns 0) unless the
+    /// backend decides in memory on this thread and two complete lines are
+    /// there: a lone request has no miss to overlap.
+    pub fn execute_hit_run(
+        self: &Arc<Self>,
+        unread: &[u8],
+        lines_max: usize,
+        line_bytes_max: usize,
+        arrival: Arrival,
+        mut batch: Option<&mut EngineBatch>,
+        outcomes: &mut SmallVec<[Outcome; READ_AHEAD_LINES_MAX]>,
+    ) -> usize {
+        let Some(store) = self.backend.prefetch_store() else {
+            return 0;
+        };
+        let lines_max = lines_max.min(READ_AHEAD_LINES_MAX);
+        let two_lines = split_line(unread)
+            .is_some_and(|(_, used)| memchr::memchr(b'\n', &unread[used..]).is_some());
+        if lines_max < 2 || !two_lines {
+            return 0;
+        }
+        let loaded = match batch.as_ref() {
+            Some(batch) => Arc::clone(&batch.rules),
+            None => self.rules.load_full(),
+        };
+        // Pass 1: parse, match, hash and prefetch.
+        let mut planned: SmallVec<[PlannedHit<'_>; READ_AHEAD_LINES_MAX]> = SmallVec::new();
+        let mut hashes = PrefetchHashes::new();
+        let mut rest = unread;
+        while planned.len() < lines_max {
+            let Some((line, used)) = split_line(rest) else {
+                break;
+            };
+            if line.len() > line_bytes_max || !line.is_ascii() {
+                break;
+            }
+            // SAFETY: ASCII is valid UTF-8.
+            let text = unsafe { std::str::from_utf8_unchecked(line) };
+            let mut pairs = Pairs::default();
+            let peek = match parse_line_into(text, &mut pairs) {
+                Ok(Verb::Hit) => false,
+                Ok(Verb::Peek) => true,
+                _ => break,
+            };
+            let (ops, plan) = Self::plan_hit(&loaded, &pairs, peek);
+            if hashes.len() + ops.len() <= PREFETCH_KEYS_MAX {
+                self.backend.counter_hashes(&ops, &mut hashes);
+            }
+            planned.push(PlannedHit {
+                ops,
+                plan,
+                peek,
+                used,
+            });
+            rest = &rest[used..];
+        }
+        store.prefetch_hashes(&hashes);
+        // Pass 2: decide, in order.
+        let mut used_bytes = 0;
+        for hit in planned {
+            used_bytes += hit.used;
+            let outcome = match batch.as_deref_mut() {
+                Some(batch) => {
+                    self.decide_in_batch(&loaded, &hit.ops, hit.plan, hit.peek, arrival, batch)
+                }
+                None => self.decide_planned(&loaded, &hit.ops, hit.plan, hit.peek, arrival),
+            };
+            let closes = matches!(&outcome, Outcome::Now(reply) if reply.closes_connection());
+            outcomes.push(outcome);
+            if closes {
+                break;
+            }
+        }
+        used_bytes
+    }
+
+    fn plan_hit<'a, 'p: 'a>(
         loaded: &'a LoadedRules,
-        pairs: &'a Pairs<'_>,
+        pairs: &Pairs<'p>,
         peek: bool,
     ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
         Self::plan_hits(loaded, pairs, peek, 1)
@@ -402,9 +503,9 @@ impl Engine {
     /// [`Engine::plan_hit`] for `hits` hits of one operation in a row (at
     /// least one): the one hit's rules evaluated `hits` times, so that each
     /// backend decides them in order within one call.
-    fn plan_hits<'a>(
+    fn plan_hits<'a, 'p: 'a>(
         loaded: &'a LoadedRules,
-        pairs: &'a Pairs<'_>,
+        pairs: &Pairs<'p>,
         peek: bool,
         hits: u32,
     ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
@@ -522,15 +623,27 @@ impl Engine {
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
         let loaded = self.rules.load();
         let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
+        self.decide_planned(&loaded, &ops, plan, peek, arrival)
+    }
+
+    /// Decides a planned hit's `ops` on the backend; the reply follows
+    /// `plan`.
+    fn decide_planned(
+        self: &Arc<Self>,
+        loaded: &Arc<LoadedRules>,
+        ops: &[CounterOp<'_>],
+        plan: Plan,
+        peek: bool,
+        arrival: Arrival,
+    ) -> Outcome {
         let decided = if ops.is_empty() {
             Decided::Ready(Decisions::new())
         } else {
-            self.backend.decide(&ops, arrival.now_ms)
+            self.backend.decide(ops, arrival.now_ms)
         };
-        drop(ops);
         match decided {
             Decided::Ready(decisions) => Outcome::Now(self.finish(
-                &loaded,
+                loaded,
                 &plan,
                 decisions,
                 peek,
@@ -539,7 +652,7 @@ impl Engine {
             )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
-                let loaded = arc_swap::Guard::into_inner(loaded);
+                let loaded = Arc::clone(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
                     engine.finish(&loaded, &plan, decisions, peek, arrival, DecidedAt::Now)
@@ -555,12 +668,26 @@ impl Engine {
         arrival: Arrival,
         batch: &mut EngineBatch,
     ) -> Outcome {
-        let loaded = &*batch.rules;
-        let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
+        let loaded = Arc::clone(&batch.rules);
+        let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
+        self.decide_in_batch(&loaded, &ops, plan, peek, arrival, batch)
+    }
+
+    /// Decides a planned hit's `ops` in `batch`: now, or deferred to the
+    /// batch's answers.
+    fn decide_in_batch(
+        &self,
+        loaded: &LoadedRules,
+        ops: &[CounterOp<'_>],
+        plan: Plan,
+        peek: bool,
+        arrival: Arrival,
+        batch: &mut EngineBatch,
+    ) -> Outcome {
         let decided = if ops.is_empty() {
             BatchDecided::Ready(Decisions::new())
         } else {
-            batch.ops.decide(&ops, arrival.now_ms)
+            batch.ops.decide(ops, arrival.now_ms)
         };
         match decided {
             BatchDecided::Ready(decisions) => Outcome::Now(self.finish(
@@ -692,5 +819,158 @@ impl Engine {
                 Reply::Decision(Decision::always_allow(credit_limit))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::metrics::Metrics;
+    use crate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
+
+    const RULES: &str = "[path=/limited]\ncreditLimit = 3\nresetSeconds = 60\nactorField = user\n\n[default]\ncreditLimit = 100\nresetSeconds = 60\n";
+
+    fn engine() -> Arc<Engine> {
+        let store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
+        Arc::new(Engine::new(
+            RuleSet::from_ini(RULES).unwrap(),
+            Arc::new(MemoryBackend { store }),
+            Arc::new(ManualClock::new(1_000_000)),
+            Metrics::new(),
+            UnavailablePolicy::Error,
+        ))
+    }
+
+    fn encoded(outcome: Outcome) -> String {
+        let Outcome::Now(reply) = outcome else {
+            panic!("the memory backend answers at once");
+        };
+        let mut out = Vec::new();
+        reply.encode(&mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    /// Runs `input` through `execute_hit_run` and then `execute`, as a
+    /// connection does; returns every reply and how many came from runs.
+    fn serve(engine: &Arc<Engine>, mut input: &[u8], lines_max: usize) -> (String, usize) {
+        let (mut replies, mut from_runs) = (String::new(), 0);
+        let mut outcomes = SmallVec::new();
+        loop {
+            let arrival = engine.arrival();
+            let used = engine.execute_hit_run(input, lines_max, 64, arrival, None, &mut outcomes);
+            if used > 0 {
+                input = &input[used..];
+                from_runs += outcomes.len();
+                for outcome in outcomes.drain(..) {
+                    let reply = encoded(outcome);
+                    let closes = reply.starts_with("ERR");
+                    replies += &reply;
+                    if closes {
+                        return (replies, from_runs);
+                    }
+                }
+                continue;
+            }
+            let Some((line, used)) = split_line(input) else {
+                return (replies, from_runs);
+            };
+            input = &input[used..];
+            let reply = encoded(engine.execute(line, arrival));
+            let closes = reply.starts_with("ERR");
+            replies += &reply;
+            if closes {
+                return (replies, from_runs);
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_of_hits_answers_as_line_by_line_execution_does() {
+        let input =
+            b"HIT path=/limited user=a\nPEEK path=/limited user=a\nHIT path=/limited user=b\n\
+HIT path=/limited user=a\nHIT path=/limited user=a\nHIT path=/limited user=a\nHIT path=/other\n";
+        let (run, from_runs) = serve(&engine(), input, usize::MAX);
+        let reference = engine();
+        let mut expected = String::new();
+        for line in input.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+            expected += &encoded(reference.execute(line, reference.arrival()));
+        }
+        assert_eq!(run, expected);
+        assert_eq!(from_runs, 7, "every line is a hit: one run");
+        // Hits on one counter within a run are decided in order.
+        assert_eq!(
+            run.lines().collect::<Vec<_>>(),
+            [
+                "OK true 2 60",
+                "OK true 1 60",
+                "OK true 2 60",
+                "OK true 1 60",
+                "OK true 0 60",
+                "OK false 0 60",
+                "OK true 99 60",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_run_stops_before_other_commands_and_after_a_closing_reply() {
+        let engine = engine();
+        // An unknown command ends the run; it is answered (and closes the
+        // connection) by the line-by-line path, and nothing after it runs.
+        let input = b"HIT path=/limited user=c\nHIT path=/limited user=c\nBOGUS x=y\nHIT path=/limited user=c\n";
+        let (replies, from_runs) = serve(&engine, input, usize::MAX);
+        assert_eq!(from_runs, 2);
+        let lines: Vec<&str> = replies.lines().collect();
+        assert_eq!(lines.len(), 3, "{replies}");
+        assert!(lines[2].starts_with("ERR"), "{replies}");
+        let peek = encoded(engine.execute(b"PEEK path=/limited user=c", engine.arrival()));
+        // Two hits counted: a third would be allowed (a fourth would not).
+        assert_eq!(
+            peek, "OK true 0 60\n",
+            "the hit after the error was not counted"
+        );
+    }
+
+    #[test]
+    fn a_run_respects_its_line_budget_and_leaves_incomplete_and_long_lines() {
+        let engine = engine();
+        let mut outcomes = SmallVec::new();
+        let arrival = engine.arrival();
+        let input =
+            b"HIT path=/limited user=d\nHIT path=/limited user=e\nHIT path=/limited user=f\n";
+        let used = engine.execute_hit_run(input, 2, 64, arrival, None, &mut outcomes);
+        assert_eq!((used, outcomes.len()), (50, 2));
+        outcomes.clear();
+        // One line alone, or a line budget of one, is left to `execute`.
+        assert_eq!(
+            engine.execute_hit_run(&input[..25], 8, 64, arrival, None, &mut outcomes),
+            0
+        );
+        assert_eq!(
+            engine.execute_hit_run(input, 1, 64, arrival, None, &mut outcomes),
+            0
+        );
+        // The incomplete last line stays unread.
+        let partial = b"HIT path=/limited user=g\nHIT path=/limited user=g\nHIT path=/lim";
+        assert_eq!(
+            engine.execute_hit_run(partial, 8, 64, arrival, None, &mut outcomes),
+            50
+        );
+        outcomes.clear();
+        // A line over the byte limit ends the run before it.
+        let long = b"HIT path=/limited user=h\nHIT path=/limited user=hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhh\nHIT path=/limited user=h\n";
+        assert_eq!(
+            engine.execute_hit_run(long, 8, 64, arrival, None, &mut outcomes),
+            25
+        );
+        assert_eq!(outcomes.len(), 1);
+        outcomes.clear();
+        // So does a line that is not ASCII.
+        let utf8 = "HIT path=/limited user=i\nHIT path=/limited user=\u{e9}\n".as_bytes();
+        assert_eq!(
+            engine.execute_hit_run(utf8, 8, 64, arrival, None, &mut outcomes),
+            25
+        );
     }
 }

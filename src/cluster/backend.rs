@@ -11,7 +11,10 @@ use super::forward::ClusterBatch;
 use super::node::ClusterNode;
 use crate::engine::{CommandExtension, Outcome, Reply};
 use crate::protocol::{Pairs, Verb};
-use crate::store::{Backend, BatchDecided, CounterOp, Decided, OpBatch};
+use crate::store::{
+    Backend, BatchDecided, CounterOp, Decided, MemoryStore, OpBatch, PrefetchHashes,
+};
+use std::cell::RefCell;
 use std::sync::Arc;
 
 pub struct ClusterBackend {
@@ -51,6 +54,26 @@ impl Backend for ClusterBackend {
 
     fn name(&self) -> &'static str {
         "cluster"
+    }
+
+    fn prefetch_store(&self) -> Option<&MemoryStore> {
+        Some(&self.dp.store)
+    }
+
+    /// The counters of shards this node leads (the others are forwarded).
+    fn counter_hashes(&self, ops: &[CounterOp<'_>], hashes: &mut PrefetchHashes) {
+        thread_local! {
+            static KEY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        }
+        KEY.with_borrow_mut(|key| {
+            for op in ops {
+                op.rule.counter_id.write_key(key, op.actor.as_bytes());
+                let shard = self.dp.placement.shard_of(key);
+                if self.dp.leaders.leader(shard) == Some(self.dp.me) {
+                    hashes.push(self.dp.store.key_hash(key));
+                }
+            }
+        });
     }
 }
 

@@ -6,11 +6,12 @@
 
 use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
-use crate::engine::{DeferredHit, Engine, EngineBatch, Outcome, Reply};
+use crate::engine::{DeferredHit, Engine, EngineBatch, Outcome, Reply, READ_AHEAD_LINES_MAX};
 use crate::metrics::RequestProtocol;
 use crate::protocol::split_line;
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesOrdered, StreamExt};
+use smallvec::SmallVec;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -233,7 +234,25 @@ impl Connection {
         }
         // Lines read in this call, counted once at the end (not per line).
         let mut lines = 0u64;
+        let mut outcomes = SmallVec::<[Outcome; READ_AHEAD_LINES_MAX]>::new();
         while !self.closing && self.pending.len() + self.run.len() < self.limits.pipeline_max {
+            // Runs of hits are planned and prefetched before they are decided.
+            let used = self.engine.execute_hit_run(
+                self.input.unread(),
+                self.limits.pipeline_max - self.pending.len() - self.run.len(),
+                self.limits.line_bytes_max,
+                self.arrival,
+                batch.as_mut(),
+                &mut outcomes,
+            );
+            if used > 0 {
+                self.input.consume(used);
+                lines += outcomes.len() as u64;
+                for outcome in outcomes.drain(..) {
+                    self.take_outcome(outcome, &mut batch);
+                }
+                continue;
+            }
             let unread = self.input.unread();
             let Some((line, used)) = split_line(unread) else {
                 if unread.len() > self.limits.line_bytes_max {
@@ -252,21 +271,7 @@ impl Connection {
                 None => self.engine.execute(line, self.arrival),
             };
             self.input.consume(used);
-            match outcome {
-                // Within a batch, a reply held until the batch's end goes out in one
-                // write with the deferred replies after it, not in a write of its own.
-                Outcome::Now(reply) if batch.is_some() => self.hold_reply(reply),
-                Outcome::Now(reply) => self.queue_reply(reply),
-                Outcome::Later(future) => {
-                    // Replies keep request order: the run so far goes first.
-                    if batch.is_some() {
-                        self.end_run(batch.take());
-                        batch = self.engine.begin_batch();
-                    }
-                    self.pending.push_back(PendingReplies::One(future));
-                }
-                Outcome::Deferred(hit) => self.run.push(RunItem::Deferred(hit)),
-            }
+            self.take_outcome(outcome, &mut batch);
         }
         self.end_run(batch);
         if lines > 0 {
@@ -278,6 +283,25 @@ impl Connection {
             self.partial_line_since = None;
         } else if self.partial_line_since.is_none() {
             self.partial_line_since = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// Puts a line's outcome where its reply waits its turn.
+    fn take_outcome(&mut self, outcome: Outcome, batch: &mut Option<EngineBatch>) {
+        match outcome {
+            // Within a batch, a reply held until the batch's end goes out in one
+            // write with the deferred replies after it, not in a write of its own.
+            Outcome::Now(reply) if batch.is_some() => self.hold_reply(reply),
+            Outcome::Now(reply) => self.queue_reply(reply),
+            Outcome::Later(future) => {
+                // Replies keep request order: the run so far goes first.
+                if batch.is_some() {
+                    self.end_run(batch.take());
+                    *batch = self.engine.begin_batch();
+                }
+                self.pending.push_back(PendingReplies::One(future));
+            }
+            Outcome::Deferred(hit) => self.run.push(RunItem::Deferred(hit)),
         }
     }
 

@@ -13,10 +13,11 @@
 use super::socket::InputBuffer;
 use super::thread_per_core::{bind_listeners, Serving};
 use super::{Limits, ServerConfig};
-use crate::engine::{Engine, Outcome, Reply};
+use crate::engine::{Engine, Outcome, Reply, READ_AHEAD_LINES_MAX};
 use crate::metrics::RequestProtocol;
 use crate::protocol::{split_line, ErrorCode};
 use io_uring::{opcode, types, IoUring};
+use smallvec::SmallVec;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -593,7 +594,33 @@ impl Drop for Loop {
 /// a backend that answers at once), appending the replies to `output`.
 fn execute_buffered_lines(engine: &Arc<Engine>, limits: &Limits, conn: &mut Conn) {
     let mut lines = 0u64;
+    let mut outcomes = SmallVec::<[Outcome; READ_AHEAD_LINES_MAX]>::new();
     while conn.state == State::Open {
+        // Runs of hits are planned and prefetched before they are decided.
+        let arrival = conn.arrival;
+        let unread = conn.input.unread();
+        let executed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            engine.execute_hit_run(
+                unread,
+                usize::MAX,
+                limits.line_bytes_max,
+                arrival,
+                None,
+                &mut outcomes,
+            )
+        }));
+        let Ok(used) = executed else {
+            panicked(conn);
+            break;
+        };
+        if used > 0 {
+            conn.input.consume(used);
+            lines += outcomes.len() as u64;
+            for outcome in outcomes.drain(..) {
+                answer(engine, conn, outcome);
+            }
+            continue;
+        }
         let unread = conn.input.unread();
         let Some((line, used)) = split_line(unread) else {
             if unread.len() > limits.line_bytes_max {
@@ -609,26 +636,12 @@ fn execute_buffered_lines(engine: &Arc<Engine>, limits: &Limits, conn: &mut Conn
         }
         let arrival = conn.arrival;
         let executed = std::panic::catch_unwind(AssertUnwindSafe(|| engine.execute(line, arrival)));
-        let reply = match executed {
-            Ok(Outcome::Now(reply)) => reply,
-            // The memory backend answers at once; nothing here can wait.
-            Ok(Outcome::Later(_) | Outcome::Deferred(_)) => {
-                engine.metrics.error(ErrorCode::Unknown);
-                Reply::error("this request needs a backend --io-uring does not serve")
-            }
-            Err(_) => {
-                // A bug on the serving path: only this connection closes, unanswered.
-                tracing::error!("a request panicked; its connection is closed");
-                conn.output.clear();
-                conn.state = State::Done;
-                break;
-            }
+        let Ok(outcome) = executed else {
+            panicked(conn);
+            break;
         };
         conn.input.consume(used);
-        reply.encode(&mut conn.output);
-        if reply.closes_connection() {
-            conn.state = State::Closing;
-        }
+        answer(engine, conn, outcome);
     }
     if lines > 0 {
         engine.metrics.requests_read(RequestProtocol::Divvy, lines);
@@ -638,6 +651,29 @@ fn execute_buffered_lines(engine: &Arc<Engine>, limits: &Limits, conn: &mut Conn
     } else if conn.partial_line_since.is_none() {
         conn.partial_line_since = Some(Instant::now());
     }
+}
+
+/// Appends a line's reply to `output`.
+fn answer(engine: &Arc<Engine>, conn: &mut Conn, outcome: Outcome) {
+    let reply = match outcome {
+        Outcome::Now(reply) => reply,
+        // The memory backend answers at once; nothing here can wait.
+        Outcome::Later(_) | Outcome::Deferred(_) => {
+            engine.metrics.error(ErrorCode::Unknown);
+            Reply::error("this request needs a backend --io-uring does not serve")
+        }
+    };
+    reply.encode(&mut conn.output);
+    if reply.closes_connection() {
+        conn.state = State::Closing;
+    }
+}
+
+/// A bug on the serving path: only this connection closes, unanswered.
+fn panicked(conn: &mut Conn) {
+    tracing::error!("a request panicked; its connection is closed");
+    conn.output.clear();
+    conn.state = State::Done;
 }
 
 fn fail(engine: &Arc<Engine>, conn: &mut Conn, reply: Reply) {

@@ -511,6 +511,25 @@ impl<S: StoredState> StripedStore<S> {
         self.probe(KeyBytes::Whole(key)).hash
     }
 
+    /// [`StripedStore::key_hash`] of the key `prefix` followed by `rest`.
+    #[inline(always)]
+    pub fn key_hash_prefixed(&self, prefix: u64, rest: &[u8]) -> u64 {
+        self.probe(KeyBytes::Prefixed(prefix, rest)).hash
+    }
+
+    /// Prefetches the stripes, then the first slots, of the keys whose
+    /// [`StripedStore::key_hash`]es are `hashes`: the two passes let the
+    /// stripe lines arrive before the second pass reads where their slots
+    /// are, and every miss of the batch is waited for together.
+    pub fn prefetch_hashes(&self, hashes: &[u64]) {
+        for &hash in hashes {
+            self.prefetch_stripe(hash);
+        }
+        for &hash in hashes {
+            self.prefetch_slot(hash);
+        }
+    }
+
     /// The first half of a prefetch in two passes: the stripe's lock line,
     /// which also holds where its slots are. Computing the address reads
     /// nothing, so a batch can issue this for every key without waiting.

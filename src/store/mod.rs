@@ -95,6 +95,18 @@ pub trait Backend: Send + Sync + 'static {
     /// A short name for logs and metrics ("memory", "redis", "cluster").
     fn name(&self) -> &'static str;
 
+    /// The in-memory store this backend decides in, when it decides on the
+    /// serving thread: a read batch's counters are prefetched in it before
+    /// any is decided (see [`Engine::prefetch_read`](crate::engine::Engine::prefetch_read)).
+    fn prefetch_store(&self) -> Option<&MemoryStore> {
+        None
+    }
+
+    /// Adds to `hashes` the [`MemoryStore::key_hash`] of each counter of
+    /// `ops` that this backend would decide in [`Backend::prefetch_store`]
+    /// (not those it sends elsewhere).
+    fn counter_hashes(&self, _ops: &[CounterOp<'_>], _hashes: &mut PrefetchHashes) {}
+
     /// Can this backend count every rule of `rules`? To be checked before a
     /// rule set is served, at start and on reload (the redis backend counts
     /// only fixed windows). The memory backend counts them all.
@@ -105,6 +117,15 @@ pub trait Backend: Send + Sync + 'static {
         Ok(())
     }
 }
+
+/// Store hashes of one read batch's counters, to prefetch; as many as
+/// [`PREFETCH_KEYS_MAX`] are kept on the stack.
+pub type PrefetchHashes = smallvec::SmallVec<[u64; PREFETCH_KEYS_MAX]>;
+
+/// Most counters of one read batch prefetched before its requests are
+/// decided: about two cache lines each, within what the core can have in
+/// flight and far below what its L1 and L2 caches hold.
+pub const PREFETCH_KEYS_MAX: usize = 64;
 
 /// The in-memory backend: counters in a [`MemoryStore`], decided inline.
 pub struct MemoryBackend {
@@ -165,5 +186,18 @@ impl Backend for MemoryBackend {
 
     fn name(&self) -> &'static str {
         "memory"
+    }
+
+    fn prefetch_store(&self) -> Option<&MemoryStore> {
+        Some(&self.store)
+    }
+
+    fn counter_hashes(&self, ops: &[CounterOp<'_>], hashes: &mut PrefetchHashes) {
+        for op in ops {
+            let hash = self
+                .store
+                .key_hash_prefixed(op.rule.counter_id.0, op.actor.as_bytes());
+            hashes.push(hash);
+        }
     }
 }
