@@ -331,6 +331,19 @@ impl App {
         )?;
         let metrics = Metrics::new();
         let persist_config = config.redis.persist_config()?;
+        // A cluster node holds its client address while it joins, which
+        // takes a while: an address in use is refused before the node
+        // joins (and is given replicas), and nothing else on the machine (an
+        // outgoing connection's source port) is given the port meanwhile.
+        let client_addr_hold =
+            match crate::cluster::client_addr_of(&config.cluster).map_err(AppError::Cluster)? {
+                Some(file_addr) => {
+                    let addr = config.listen.unwrap_or(file_addr);
+                    crate::server::thread_per_core::hold_address(addr)
+                        .map_err(|source| AppError::Listen { addr, source })?
+                }
+                None => None,
+            };
         let cluster = crate::cluster::start(
             &config.cluster,
             &rules,
@@ -433,6 +446,7 @@ impl App {
             grpc: config.grpc,
             io_uring: config.io_uring,
         };
+        drop(client_addr_hold);
         let Bound {
             line,
             droplet,

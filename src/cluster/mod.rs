@@ -537,6 +537,21 @@ fn raft_config(args: &ClusterConfig) -> Result<Arc<openraft::Config>, ClusterErr
 /// Starts this node's part of the cluster when `--cluster` is given:
 /// links to peers, the data plane, one Raft group per shard it replicates,
 /// the peer server, then joins. Returns `None` without `--cluster`.
+/// The client address the cluster file gives this node (`None` outside
+/// cluster mode), known before the node starts or joins.
+pub fn client_addr_of(args: &ClusterConfig) -> Result<Option<SocketAddr>, ClusterError> {
+    let Some(path) = &args.cluster_file else {
+        return Ok(None);
+    };
+    let file = ClusterFile::load(path)?;
+    let id = args.node_id.ok_or(ClusterError::NoNodeId)?;
+    let me = file
+        .nodes
+        .get(&id)
+        .ok_or(config::ClusterFileError::UnknownSelf(id))?;
+    Ok(Some(me.client))
+}
+
 pub fn start(
     args: &ClusterConfig,
     rules: &RuleSet,

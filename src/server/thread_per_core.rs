@@ -76,13 +76,21 @@ pub fn bind_reuseport(addr: SocketAddr) -> std::io::Result<std::net::TcpListener
 /// `SO_REUSEPORT` would let a second server on the same port silently share
 /// its traffic; a plain bind first makes "address in use" an error again.
 pub fn refuse_if_in_use(addr: SocketAddr) -> std::io::Result<()> {
+    hold_address(addr).map(drop)
+}
+
+/// Binds `addr` without listening (refused if in use, as by
+/// [`refuse_if_in_use`]) and keeps it bound until the socket is dropped:
+/// nothing else is given the port meanwhile. `None` for port 0.
+pub fn hold_address(addr: SocketAddr) -> std::io::Result<Option<Socket>> {
     if addr.port() == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let probe = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     probe.set_reuse_address(true)?;
     // The caller names the address; the error says it is in use.
-    probe.bind(&addr.into())
+    probe.bind(&addr.into())?;
+    Ok(Some(probe))
 }
 
 /// Binds one `SO_REUSEPORT` listener per serving thread (at least one) on

@@ -6,6 +6,7 @@
 //! The membership commands accept a client address for `--node` (they ask
 //! it for its peer address), `cluster status` pointed at a peer port says
 //! what it takes, and a joining node's banner says it is not a member yet.
+//! A node whose client address is taken says so and exits before it joins.
 
 use crate::cluster_support::{converse, http_get, metric, Fault, TestCluster, TOLLGATE};
 use std::process::Command;
@@ -249,4 +250,33 @@ fn per_shard_series_show_leaders_terms_replication_and_no_lag() {
         sections >= 1.0 && sections <= states,
         "{sections} sections for {states} states"
     );
+}
+
+#[test]
+fn a_node_whose_client_address_is_taken_exits_before_it_joins() {
+    let mut cluster = TestCluster::start(3, 8, &[]);
+    cluster.stop(3, Duration::from_secs(10));
+    let client = cluster.client(3);
+    // Something else listens on node 3's client address now.
+    let squatter = std::net::TcpListener::bind(client).expect("take node 3's client address");
+    cluster.spawn(3, None);
+    let status = cluster
+        .wait_exit(3, Duration::from_secs(20))
+        .expect("node 3 exits when its client address is taken");
+    assert!(!status.success(), "{status}");
+    let log = cluster.log(3);
+    assert!(
+        log.contains(&format!("cannot listen on {client}")),
+        "the error names the address: {log}"
+    );
+    assert!(
+        !log.contains("joined the cluster"),
+        "refused before joining: {log}"
+    );
+    // Freed, the address serves again.
+    drop(squatter);
+    cluster.spawn(3, None);
+    cluster.wait_healthy(Duration::from_secs(20));
+    let replies = converse(client, &["HIT path=/x ip=1.2.3.4".to_string()]);
+    assert_eq!(replies, ["OK true 4 60"]);
 }
