@@ -1,10 +1,10 @@
-//! Authentication of the peer port: the cluster's shared secret, where it is
-//! read from (`--cluster-secret-file`, `--cluster-secret` or
-//! `TOLLGATE_CLUSTER_SECRET`), and the mutual challenge-response handshake
-//! that opens every peer connection before its first frame. Only a node that
-//! holds the secret can make another node read a frame (a Hello, a Raft RPC,
-//! forwarded hits), and a dialer only talks to a peer that holds it too.
-//! All of it lives here so that the links and the peer server only call
+//! Authentication of the peer port: the mutual challenge-response handshake
+//! that opens every peer connection before its first frame, with the
+//! cluster's shared secret (read and checked in `secrets.rs`) and the two
+//! nodes' peer protocol versions (negotiated by the rule in
+//! `peer_protocol.rs`). Only a node that holds the secret can make another
+//! node read a frame (a Hello, a Raft RPC, forwarded hits), and a dialer only
+//! talks to a peer that holds it too. The links and the peer server only call
 //! [`authenticate_client`] / [`accept_peer`].
 //!
 //! The handshake (all sizes fixed, nothing the peer chooses is allocated):
@@ -41,161 +41,34 @@
 //! encrypt what follows.
 
 use super::links::LinkError;
+use super::peer_protocol::{advertised, incompatible, note_version_refusal};
+pub use super::peer_protocol::{
+    local_protocol, version_refusals, Protocol, PROTOCOL, TEST_PROTOCOL_ENV,
+};
+pub use super::secrets::{PeerSecrets, Secret, SecretError, SECRET_BYTES_MIN};
 use super::{ClusterError, NodeId};
 use hmac::{Hmac, Mac};
 use parking_lot::Mutex;
 use sha2::Sha256;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First bytes of every peer connection.
 pub const MAGIC: [u8; 8] = *b"TGPEER\r\n";
-/// The peer protocol this build speaks (see the module doc). Major 1 was
-/// the handshake before versions were negotiated: one version byte, which
-/// had to match exactly. 2.0 also brought data frames that carry droplet
-/// buckets (an op code, a decision code and a counter state of their own)
-/// and hellos that carry the committed rule set's version, which no node of
-/// major 1 can read.
-pub const PROTOCOL: Protocol = Protocol {
-    major: 2,
-    minor: 0,
-    oldest_minor: 0,
-};
-/// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
-/// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
-/// upgrade", says how tests use it). Not for production: the node's frames
-/// do not change with it.
-pub const TEST_PROTOCOL_ENV: &str = "TOLLGATE_TEST_PEER_PROTOCOL";
 /// Bytes of each side's random nonce.
 pub const NONCE_BYTES: usize = 32;
 /// Bytes of an HMAC-SHA256 proof.
 pub const PROOF_BYTES: usize = 32;
-/// Handshakes refused (either side) because the two nodes' peer protocols
-/// are incompatible: `tollgate_cluster_peer_version_refusals_total`.
-static VERSION_REFUSALS: AtomicU64 = AtomicU64::new(0);
-
-/// Handshakes this process refused, or was refused, for incompatible peer
-/// protocol versions (as dialer and as server).
-pub fn version_refusals() -> u64 {
-    VERSION_REFUSALS.load(Ordering::Relaxed)
-}
-
-/// A peer protocol version, as exchanged in the handshake.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Protocol {
-    pub major: u8,
-    pub minor: u8,
-    /// The oldest minor (of the same major) this node still talks to.
-    pub oldest_minor: u8,
-}
-
-impl Protocol {
-    /// The minor two nodes talk at, or `None` when they cannot talk: their
-    /// majors differ, or one's minor is older than the other's oldest.
-    /// Symmetric, so both sides of a handshake decide alike.
-    pub fn negotiate(self, peer: Protocol) -> Option<u8> {
-        (self.major == peer.major
-            && peer.minor >= self.oldest_minor
-            && self.minor >= peer.oldest_minor)
-            .then_some(self.minor.min(peer.minor))
-    }
-
-    fn bytes(self) -> [u8; 3] {
-        [self.major, self.minor, self.oldest_minor]
-    }
-
-    fn from_bytes(bytes: [u8; 3]) -> Protocol {
-        Protocol {
-            major: bytes[0],
-            minor: bytes[1],
-            oldest_minor: bytes[2],
-        }
-    }
-
-    /// Parses `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR` (the oldest minor
-    /// defaults to 0, and may not be above the minor).
-    pub fn parse(text: &str) -> Result<Protocol, String> {
-        let bad = || {
-            format!("'{text}' is not a peer protocol version (MAJOR.MINOR or MAJOR.MINOR:OLDEST_MINOR, each 0-255, e.g. 2.1 or 2.1:1)")
-        };
-        let (version, oldest) = match text.trim().split_once(':') {
-            Some((version, oldest)) => (version, Some(oldest)),
-            None => (text.trim(), None),
-        };
-        let (major, minor) = version.split_once('.').ok_or_else(bad)?;
-        let major: u8 = major.parse().map_err(|_| bad())?;
-        let minor: u8 = minor.parse().map_err(|_| bad())?;
-        let oldest_minor: u8 = match oldest {
-            Some(oldest) => oldest.parse().map_err(|_| bad())?,
-            None => 0,
-        };
-        if oldest_minor > minor {
-            return Err(format!(
-                "'{text}': the oldest minor ({oldest_minor}) is above the minor ({minor})"
-            ));
-        }
-        Ok(Protocol {
-            major,
-            minor,
-            oldest_minor,
-        })
-    }
-
-    /// The versions this one talks to: its major, from its oldest minor on
-    /// (a newer minor also needs its own oldest minor to reach ours), e.g.
-    /// `2.0-2.x`.
-    pub fn range(self) -> String {
-        format!("{}.{}-{}.x", self.major, self.oldest_minor, self.major)
-    }
-}
-
-impl std::fmt::Display for Protocol {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.major, self.minor)
-    }
-}
-
-/// The peer protocol this node advertises: [`PROTOCOL`], unless the
-/// test-only [`TEST_PROTOCOL_ENV`] names another one. An invalid value is
-/// an error naming the variable (checked when a cluster node starts).
-pub fn local_protocol() -> Result<Protocol, String> {
-    static LOCAL: OnceLock<Result<Protocol, String>> = OnceLock::new();
-    LOCAL
-        .get_or_init(|| match std::env::var(TEST_PROTOCOL_ENV) {
-            Ok(value) => {
-                Protocol::parse(&value).map_err(|why| format!("{TEST_PROTOCOL_ENV}: {why}"))
-            }
-            Err(_) => Ok(PROTOCOL),
-        })
-        .clone()
-}
-
-/// [`local_protocol`], or [`PROTOCOL`] when the variable is invalid (the
-/// node refused to start then; this keeps tools that dial working).
-fn advertised() -> Protocol {
-    local_protocol().unwrap_or(PROTOCOL)
-}
-
-/// The sentence both sides log for an incompatible peer.
-fn incompatible(ours: Protocol, theirs: &str) -> String {
-    format!(
-        "incompatible peer protocol: the peer speaks {theirs}, this node {ours} (it talks to {}); nodes talk when their major versions match and each one's minor is at least the other's oldest (docs/cluster.md, \"Rolling upgrade\")",
-        ours.range()
-    )
-}
 
 /// The server's verdict after checking the dialer's proof.
 pub const ACCEPTED: u8 = 1;
 pub const REFUSED: u8 = 0;
 /// How long the server gives a dialer to complete the handshake.
 pub const AUTH_TIMEOUT_MS: u64 = 2_000;
-/// Shortest secret accepted, in bytes.
-pub const SECRET_BYTES_MIN: usize = 16;
 /// A refused remote address is logged at most once per this interval.
 const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -203,154 +76,6 @@ const SERVER_LABEL: &[u8] = b"tollgate-peer-server";
 const CLIENT_LABEL: &[u8] = b"tollgate-peer-client";
 
 type HmacSha256 = Hmac<Sha256>;
-
-/// One shared secret; never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Vec<u8>);
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Secret(<{} bytes redacted>)", self.0.len())
-    }
-}
-
-/// The secrets of this node, in order: the first signs, every one is
-/// accepted (several only while rotating).
-#[derive(Debug, Clone)]
-pub struct PeerSecrets {
-    secrets: Vec<Secret>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum SecretError {
-    #[error(
-        "cluster mode needs the cluster's shared secret, the same on every node: give \
-         --cluster-secret-file PATH (or --cluster-secret / TOLLGATE_CLUSTER_SECRET). For a \
-         new cluster make one with `head -c 32 /dev/urandom | base64 > \
-         /etc/tollgate/cluster.secret && chmod 600 /etc/tollgate/cluster.secret` and copy \
-         it to every node"
-    )]
-    Missing,
-    #[error(
-        "give either --cluster-secret-file or --cluster-secret (TOLLGATE_CLUSTER_SECRET), not both"
-    )]
-    Both,
-    #[error("cannot read the cluster secret file {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("the cluster secret file {0} holds no secret (one per line; blank lines and # comments are ignored)")]
-    EmptyFile(PathBuf),
-    #[error("{path} line {line}: the cluster secret is {len} bytes; use at least {SECRET_BYTES_MIN} (e.g. head -c 32 /dev/urandom | base64)")]
-    TooShortInFile {
-        path: PathBuf,
-        line: usize,
-        len: usize,
-    },
-    #[error("--cluster-secret / TOLLGATE_CLUSTER_SECRET: secret {index} is {len} bytes; use at least {SECRET_BYTES_MIN} (e.g. head -c 32 /dev/urandom | base64)")]
-    TooShortInValue { index: usize, len: usize },
-    #[error("--cluster-secret / TOLLGATE_CLUSTER_SECRET holds no secret")]
-    EmptyValue,
-}
-
-impl PeerSecrets {
-    /// Secrets in order (first signs). Each must be ≥ [`SECRET_BYTES_MIN`].
-    pub fn new(secrets: Vec<Vec<u8>>) -> Result<PeerSecrets, SecretError> {
-        if secrets.is_empty() {
-            return Err(SecretError::EmptyValue);
-        }
-        for (i, secret) in secrets.iter().enumerate() {
-            if secret.len() < SECRET_BYTES_MIN {
-                return Err(SecretError::TooShortInValue {
-                    index: i + 1,
-                    len: secret.len(),
-                });
-            }
-        }
-        Ok(PeerSecrets {
-            secrets: secrets.into_iter().map(Secret).collect(),
-        })
-    }
-
-    /// The secrets the flags give: a file, or a comma-separated value.
-    pub fn from_flags(
-        file: Option<&Path>,
-        value: Option<&str>,
-    ) -> Result<PeerSecrets, SecretError> {
-        match (file, value.filter(|v| !v.is_empty())) {
-            (Some(_), Some(_)) => Err(SecretError::Both),
-            (Some(path), None) => PeerSecrets::load(path),
-            (None, Some(value)) => PeerSecrets::parse_value(value),
-            (None, None) => Err(SecretError::Missing),
-        }
-    }
-
-    /// `a,b,c`: spaces around each secret are trimmed, empty items skipped.
-    pub fn parse_value(value: &str) -> Result<PeerSecrets, SecretError> {
-        let secrets: Vec<Vec<u8>> = value
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(|s| s.as_bytes().to_vec())
-            .collect();
-        PeerSecrets::new(secrets)
-    }
-
-    /// One secret per line (trimmed); blank lines and `#` comments ignored.
-    /// Warns when the file is readable by its group or others.
-    pub fn load(path: &Path) -> Result<PeerSecrets, SecretError> {
-        let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            if let Ok(meta) = std::fs::metadata(path) {
-                let mode = meta.permissions().mode();
-                if mode & 0o077 != 0 {
-                    tracing::warn!(
-                        "the cluster secret file {} is readable by other users (mode {:o}); chmod 600 it",
-                        path.display(),
-                        mode & 0o777
-                    );
-                }
-            }
-        }
-        let mut secrets = Vec::new();
-        for (number, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            if line.len() < SECRET_BYTES_MIN {
-                return Err(SecretError::TooShortInFile {
-                    path: path.to_path_buf(),
-                    line: number + 1,
-                    len: line.len(),
-                });
-            }
-            secrets.push(line.as_bytes().to_vec());
-        }
-        if secrets.is_empty() {
-            return Err(SecretError::EmptyFile(path.to_path_buf()));
-        }
-        PeerSecrets::new(secrets)
-    }
-
-    pub fn len(&self) -> usize {
-        self.secrets.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.secrets.is_empty()
-    }
-
-    fn signing(&self) -> &Secret {
-        &self.secrets[0]
-    }
-}
 
 /// Why a handshake failed.
 #[derive(Debug, thiserror::Error)]
@@ -403,7 +128,8 @@ fn mac(
     first: &[u8],
     second: &[u8],
 ) -> HmacSha256 {
-    let mut mac = HmacSha256::new_from_slice(&secret.0).expect("HMAC takes keys of any length");
+    let mut mac =
+        HmacSha256::new_from_slice(secret.bytes()).expect("HMAC takes keys of any length");
     mac.update(label);
     mac.update(protocols);
     mac.update(first);
@@ -421,7 +147,7 @@ fn verify_any(
     second: &[u8],
     proof: &[u8],
 ) -> bool {
-    secrets.secrets.iter().fold(false, |ok, secret| {
+    secrets.all().iter().fold(false, |ok, secret| {
         mac(secret, label, protocols, first, second)
             .verify_slice(proof)
             .is_ok()
@@ -462,7 +188,7 @@ where
     stream.read_exact(&mut theirs).await?;
     let theirs = Protocol::from_bytes(theirs);
     let Some(minor) = ours.negotiate(theirs) else {
-        VERSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+        note_version_refusal();
         return Err(AuthError::Incompatible(incompatible(
             ours,
             &format!("{theirs} (it talks to {})", theirs.range()),
@@ -535,7 +261,7 @@ where
     if major[0] != ours.major {
         // Another major may lay out the rest otherwise (major 1 sent its
         // nonce right after its one version byte): answer at once.
-        VERSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+        note_version_refusal();
         let _ = stream.write_all(&ours.bytes()).await;
         let _ = stream.flush().await;
         return Err(AuthError::Incompatible(incompatible(
@@ -548,7 +274,7 @@ where
     let theirs = Protocol::from_bytes([major[0], rest[0], rest[1]]);
     stream.write_all(&ours.bytes()).await?;
     if ours.negotiate(theirs).is_none() {
-        VERSION_REFUSALS.fetch_add(1, Ordering::Relaxed);
+        note_version_refusal();
         let _ = stream.flush().await;
         return Err(AuthError::Incompatible(incompatible(
             ours,
@@ -946,7 +672,7 @@ mod tests {
         std::fs::write(&path, format!("# rotation\n\n{B}\n  {A}  \n")).unwrap();
         let loaded = PeerSecrets::load(&path).unwrap();
         assert_eq!(loaded.len(), 2);
-        assert_eq!(loaded.signing().0, B.as_bytes());
+        assert_eq!(loaded.signing().bytes(), B.as_bytes());
         assert!(
             !format!("{loaded:?}").contains(B),
             "secrets are never printed"

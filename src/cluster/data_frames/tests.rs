@@ -1,0 +1,220 @@
+//! Round trips and bounds of the data frame encoding (`data_frames.rs`):
+//! every encoded section reads back as written, and truncated or corrupt
+//! bodies are refused without a panic.
+
+use super::*;
+use crate::limiter::Refill;
+
+#[test]
+fn droplet_ops_answers_and_cells_roundtrip() {
+    let take = OpView {
+        key: b"\x00droplet-bucket",
+        algorithm: Algorithm::FixedWindow,
+        credit_limit: 0,
+        reset_seconds: 0,
+        peek: false,
+        bucket: Some(BucketOp {
+            request: TakeRequest {
+                count: -7,
+                reset: true,
+                limits: [10, 0, u32::MAX, 0, 1, 0],
+            },
+            cleanup_interval_ms: 60_000,
+        }),
+    };
+    let query = OpView { peek: true, ..take };
+    let answer = WireDecision::Bucket {
+        accept: false,
+        balances: [Some(-1), None, Some(i32::MAX), None, Some(i32::MIN), None],
+    };
+    let cell = CounterState::DropletPeriod(PeriodCell {
+        version: 3 << 40 | 9,
+        forget_at_ms: u64::MAX,
+        full_ms: 1_700_000_000_123,
+        remainder: 7,
+        limit: u32::MAX,
+    });
+    let mut out = Vec::new();
+    put_op(&mut out, &take);
+    put_op(&mut out, &query);
+    put_decision(&mut out, &answer);
+    put_state(&mut out, &cell);
+    let mut reader = Reader::new(&out);
+    assert_eq!(reader.op().unwrap(), take);
+    assert_eq!(reader.op().unwrap(), query);
+    assert_eq!(reader.decision().unwrap(), answer);
+    assert_eq!(reader.state().unwrap(), cell);
+    assert!(reader.is_empty());
+    // Every cut is an error, never a panic.
+    for cut in 0..out.len() {
+        let mut reader = Reader::new(&out[..cut]);
+        let read = reader.op().and_then(|_| reader.op()).map(drop);
+        let read = read.and_then(|_| reader.decision().map(drop));
+        assert!(read.and_then(|_| reader.state().map(drop)).is_err());
+    }
+    // A count out of range and a bad reset flag are refused.
+    let mut bad = Vec::new();
+    put_bytes(&mut bad, b"k");
+    bad.push(BUCKET_OP_CODE);
+    put_signed(&mut bad, i64::from(i32::MAX) + 1);
+    assert_eq!(
+        Reader::new(&bad).op(),
+        Err(FrameError::Invalid("bucket count"))
+    );
+    let mut bad = Vec::new();
+    put_bytes(&mut bad, b"k");
+    bad.push(BUCKET_OP_CODE);
+    put_signed(&mut bad, 1);
+    bad.push(2);
+    assert_eq!(
+        Reader::new(&bad).op(),
+        Err(FrameError::Invalid("bucket reset flag"))
+    );
+}
+
+#[test]
+fn sections_roundtrip() {
+    let mut out = Vec::new();
+    let op = OpView {
+        key: b"\x01\x02actor",
+        algorithm: Algorithm::SlidingWindow,
+        credit_limit: 1_000_000_000_000,
+        reset_seconds: 3600,
+        peek: true,
+        bucket: None,
+    };
+    let at = begin_counted(&mut out, tag::FORWARD, &[77]);
+    put_op(&mut out, &op);
+    put_op(&mut out, &OpView { peek: false, ..op });
+    end_counted(&mut out, at, 2);
+    let states = [
+        CounterState::Window {
+            end_ms: 1_700_000_060_000,
+            used: 5,
+        },
+        CounterState::TokenBucket {
+            full_at: FullAt::from_shortfall(Refill::new(10, 1000).unwrap(), 1_700_000_000_000, 3),
+        },
+        CounterState::SlidingWindow {
+            expires_at_ms: 1_700_000_120_000,
+            current: 4,
+            previous: 9,
+        },
+    ];
+    let at = begin_counted(&mut out, tag::ROUND, &[9, 1_700_000_000_000, 63, 12]);
+    for (i, state) in states.iter().enumerate() {
+        put_bytes(&mut out, &[i as u8; 10]);
+        put_state(&mut out, state);
+    }
+    end_counted(&mut out, at, states.len() as u32);
+    let decisions = [
+        WireDecision::Decided {
+            allowed: true,
+            credit: -1,
+            next_reset_seconds: 60,
+        },
+        WireDecision::Decided {
+            allowed: false,
+            credit: 0,
+            next_reset_seconds: i64::MIN,
+        },
+        WireDecision::Unavailable {
+            shard: 3,
+            why: ShardRefusal::CommitTimeout(400),
+        },
+        WireDecision::Retry {
+            shard: 4,
+            why: ShardRefusal::Other("because".into()),
+        },
+        WireDecision::Full { live_keys_max: 7 },
+    ];
+    out.push(tag::ANSWERS);
+    put_varint(&mut out, 99);
+    put_varint(&mut out, decisions.len() as u64);
+    for (i, decision) in decisions.iter().enumerate() {
+        put_varint(&mut out, 5);
+        put_varint(&mut out, i as u64);
+        put_decision(&mut out, decision);
+    }
+    put_ack(
+        &mut out,
+        7,
+        41,
+        &[
+            (40, 3, ApplyRefusal::Fenced { term: 9 }),
+            (41, 1, ApplyRefusal::NotReplica),
+        ],
+    );
+
+    let mut reader = Reader::new(&out);
+    assert_eq!(reader.u8().unwrap(), tag::FORWARD);
+    assert_eq!(reader.varint().unwrap(), 77);
+    assert_eq!(reader.count(4).unwrap(), 2);
+    assert_eq!(reader.op().unwrap(), op);
+    assert_eq!(reader.op().unwrap(), OpView { peek: false, ..op });
+    assert_eq!(reader.u8().unwrap(), tag::ROUND);
+    let header = RoundHeader::read(&mut reader).unwrap();
+    assert_eq!(
+        (
+            header.round,
+            header.stamped_ms,
+            header.shard,
+            header.term,
+            header.count
+        ),
+        (9, 1_700_000_000_000, 63, 12, 3)
+    );
+    for (i, state) in states.iter().enumerate() {
+        assert_eq!(reader.bytes().unwrap(), &[i as u8; 10]);
+        assert_eq!(&reader.state().unwrap(), state);
+    }
+    assert_eq!(reader.u8().unwrap(), tag::ANSWERS);
+    assert_eq!(reader.varint().unwrap(), 99);
+    assert_eq!(reader.count(3).unwrap(), decisions.len() as u32);
+    for (i, decision) in decisions.iter().enumerate() {
+        assert_eq!(reader.varint().unwrap(), 5);
+        assert_eq!(reader.varint().unwrap(), i as u64);
+        assert_eq!(&reader.decision().unwrap(), decision);
+    }
+    assert_eq!(reader.u8().unwrap(), tag::ACK);
+    let ack = Ack::read(&mut reader).unwrap();
+    assert_eq!((ack.boot, ack.upto), (7, 41));
+    assert_eq!(
+        ack.refused,
+        vec![
+            (40, 3, ApplyRefusal::Fenced { term: 9 }),
+            (41, 1, ApplyRefusal::NotReplica)
+        ]
+    );
+    assert!(reader.is_empty());
+}
+
+#[test]
+fn garbled_input_is_an_error_not_a_panic() {
+    // A length far beyond the frame.
+    let mut reader = Reader::new(&[0xff, 0xff, 0xff, 0xff, 0x0f, 1, 2]);
+    assert_eq!(reader.bytes(), Err(FrameError::Truncated));
+    // A varint of eleven bytes.
+    let mut reader = Reader::new(&[0xff; 11]);
+    assert_eq!(reader.varint(), Err(FrameError::Invalid("varint")));
+    // A count claiming more items than bytes left.
+    let mut reader = Reader::new(&[100, 1, 2, 3]);
+    assert_eq!(reader.count(1), Err(FrameError::Truncated));
+    // Unknown codes.
+    assert!(Reader::new(&[9]).state().is_err());
+    assert!(Reader::new(&[1, 0, 0x7f, 1, 1]).op().is_err());
+    assert!(Reader::new(&[9]).decision().is_err());
+    assert!(Reader::new(&[]).u8().is_err());
+}
+
+#[test]
+fn counted_sections_hold_any_u32_count() {
+    for count in [0, 1, 127, 128, 16_383, 16_384, u32::MAX] {
+        let mut out = Vec::new();
+        let at = begin_counted(&mut out, tag::FORWARD, &[]);
+        end_counted(&mut out, at, count);
+        let mut reader = Reader::new(&out[1..]);
+        assert_eq!(reader.u32().unwrap(), count);
+        assert!(reader.is_empty());
+    }
+}
