@@ -34,10 +34,12 @@
 # `cluster/bench.sh persist` measures data dirs instead (docs/benchmarks.md,
 # "Data dirs"): strict three-node throughput with data dirs (each `--fsync`
 # policy of POLICIES, default `interval`) against in memory (`--data-dir
-# none`), alternating ROUNDS (2) times, each once leaders are balanced (as
+# none`), alternating ROUNDS (2; 0 skips it) times, each once leaders are balanced (as
 # above), then the time a full restart of
 # three nodes holding COUNTERS (1000000; 0 skips it) live counters takes to
-# serve again (`cluster/local.sh up`, until every shard is led). With
+# serve again (`cluster/local.sh up`, until every shard is led), RESTARTS
+# (1) times, the nodes stopped with `down` (SIGTERM) or, with
+# RESTART_SIGNAL=KILL, SIGKILLed all at once. With
 # BASELINE=/path/to/another/tollgate, each round also runs the default
 # policy with that binary ("baseline"), between the others: an A/B of two
 # builds within one run.
@@ -180,7 +182,7 @@ if [[ ${1:-} == persist ]]; then
       rm -rf "$RUN_DIR"
     done
   done
-  {
+  (( ROUNDS > 0 )) && {
     echo
     echo "| setup | strict hits/s (mean of $ROUNDS) | ÷ in memory |"
     echo "|---|---:|---:|"
@@ -198,18 +200,24 @@ if [[ ${1:-} == persist ]]; then
     wait
     live=$("$TOLLGATE" cluster status --json --node "127.0.0.1:$BASE_PORT" \
       | python3 -c 'import json,sys; print(max(n.get("live_keys") or 0 for n in json.load(sys.stdin)["nodes"]))')
+    for restart in $(seq 1 "${RESTARTS:-1}"); do
+      if [[ ${RESTART_SIGNAL:-TERM} == KILL ]]; then
+        for n in 1 2 3; do "$ROOT/cluster/local.sh" kill "$n" > /dev/null; done
+      else
+        "$ROOT/cluster/local.sh" down > /dev/null
+      fi
+      size=$(du -sh "$RUN_DIR/data-node1" | cut -f1)
+      started=$(date +%s.%N)
+      "$ROOT/cluster/local.sh" up > /dev/null
+      ended=$(date +%s.%N)
+      loaded=$(grep -h "data dir loaded" "$RUN_DIR/node1.log" | tail -1 | sed 's/.*INFO //')
+      {
+        echo
+        echo "full restart $restart (SIG${RESTART_SIGNAL:-TERM}) of three nodes, $live live counters each: serving after $(python3 -c "print(f'{$ended - $started:.2f}')") s"
+        echo "node 1: $loaded; data dir $size"
+      } | tee -a "$OUT_DIR/result.md"
+    done
     "$ROOT/cluster/local.sh" down > /dev/null
-    size=$(du -sh "$RUN_DIR/data-node1" | cut -f1)
-    started=$(date +%s.%N)
-    "$ROOT/cluster/local.sh" up > /dev/null
-    ended=$(date +%s.%N)
-    loaded=$(grep -h "data dir loaded" "$RUN_DIR/node1.log" | tail -1 | sed 's/.*INFO //')
-    "$ROOT/cluster/local.sh" down > /dev/null
-    {
-      echo
-      echo "full restart of three nodes, $live live counters each: serving after $(python3 -c "print(f'{$ended - $started:.2f}')") s"
-      echo "node 1: $loaded; data dir $size"
-    } | tee -a "$OUT_DIR/result.md"
     rm -rf "$RUN_DIR"
   fi
   exit 0

@@ -46,7 +46,10 @@ fi
 client_port() { echo $((BASE_PORT + $1 - 1)); }
 peer_port() { echo $((BASE_PORT + 1000 + $1 - 1)); }
 pid_of() { cat "$RUN_DIR/node$1.pid" 2>/dev/null || true; }
-alive() { local pid; pid=$(pid_of "$1"); [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; }
+# A process that exited but was not reaped yet (a zombie: its parent, this
+# script's earlier run, is gone) still answers `kill -0`; it is not running.
+running() { kill -0 "$1" 2>/dev/null && [[ "$(ps -o stat= -p "$1" 2>/dev/null)" != Z* ]]; }
+alive() { local pid; pid=$(pid_of "$1"); [[ -n "$pid" ]] && running "$pid"; }
 
 write_cluster_file() {
   mkdir -p "$RUN_DIR"
@@ -156,9 +159,9 @@ wait_settled() {
 stop_node() {
   local n=$1 signal=${2:-TERM}
   local pid; pid=$(pid_of "$n")
-  if [[ -z "$pid" ]] || ! kill -0 "$pid" 2>/dev/null; then echo "node $n is not running"; return; fi
+  if [[ -z "$pid" ]] || ! running "$pid"; then echo "node $n is not running"; return; fi
   kill "-$signal" "$pid"
-  for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  for _ in $(seq 1 100); do running "$pid" || break; sleep 0.1; done
   rm -f "$RUN_DIR/node$n.pid"
   echo "node $n stopped (SIG$signal)"
 }
