@@ -96,6 +96,28 @@ struct Connection {
     large_reads_in_turn: u32,
 }
 
+/// Since when the incomplete line at the start of `unread` (after a read's
+/// lines were executed) has been waiting for its end, for the line timeout:
+/// `None` when nothing is incomplete (a complete line waiting for room in the
+/// pipeline waits for the server, not the client); `now` for a line that
+/// started in this read (`consumed`: lines before it ended, so a client that
+/// streams lines whose reads end mid-line keeps its connection), else the
+/// time the line was first seen.
+pub(super) fn partial_line_since<T: Copy>(
+    unread: &[u8],
+    consumed: bool,
+    since: Option<T>,
+    now: impl FnOnce() -> T,
+) -> Option<T> {
+    if unread.is_empty() || split_line(unread).is_some() {
+        None
+    } else if consumed || since.is_none() {
+        Some(now())
+    } else {
+        since
+    }
+}
+
 /// Counts a connection open for as long as it lives, even if its task panics.
 struct OpenConnectionGauge(Arc<Engine>);
 
@@ -279,11 +301,12 @@ impl Connection {
                 .metrics
                 .requests_read(RequestProtocol::Divvy, lines);
         }
-        if self.input.unread().is_empty() {
-            self.partial_line_since = None;
-        } else if self.partial_line_since.is_none() {
-            self.partial_line_since = Some(tokio::time::Instant::now());
-        }
+        self.partial_line_since = partial_line_since(
+            self.input.unread(),
+            lines > 0,
+            self.partial_line_since,
+            tokio::time::Instant::now,
+        );
     }
 
     /// Puts a line's outcome where its reply waits its turn.

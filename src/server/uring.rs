@@ -10,6 +10,7 @@
 //! turn serves every connection with a completion anyway), and timeouts
 //! are checked on a 100 ms tick, so they fire up to 0.2 s late.
 
+use super::connection::partial_line_since;
 use super::socket::InputBuffer;
 use super::thread_per_core::{bind_listeners, Serving};
 use super::{Limits, ServerConfig};
@@ -646,11 +647,12 @@ fn execute_buffered_lines(engine: &Arc<Engine>, limits: &Limits, conn: &mut Conn
     if lines > 0 {
         engine.metrics.requests_read(RequestProtocol::Divvy, lines);
     }
-    if conn.input.unread().is_empty() {
-        conn.partial_line_since = None;
-    } else if conn.partial_line_since.is_none() {
-        conn.partial_line_since = Some(Instant::now());
-    }
+    conn.partial_line_since = partial_line_since(
+        conn.input.unread(),
+        lines > 0,
+        conn.partial_line_since,
+        Instant::now,
+    );
 }
 
 /// Appends a line's reply to `output`.

@@ -20,6 +20,7 @@ crate::in_both_serving_modes!(
     live_key_cap_answers_an_error_for_new_actors_only,
     unavailability_policies_decide_what_hits_get_at_the_live_key_cap,
     a_line_trickling_in_slower_than_the_line_timeout_is_dropped,
+    a_client_streaming_lines_whose_reads_end_mid_line_is_not_timed_out,
     a_panic_in_one_connection_closes_only_that_connection,
     memory_stays_bounded_under_partial_line_and_unread_answer_attacks,
 );
@@ -340,6 +341,42 @@ fn a_line_trickling_in_slower_than_the_line_timeout_is_dropped() {
     );
     let mut other = server.connect();
     assert_eq!(request(&mut other, "HIT op=a u=2"), "OK true 999999 60");
+}
+
+fn a_client_streaming_lines_whose_reads_end_mid_line_is_not_timed_out() {
+    let server = start(Limits {
+        line_timeout_ms: 1_000,
+        ..Limits::default()
+    });
+    let mut client = server.connect();
+    // Every write ends a line and starts the next: no line waits long for
+    // its end, though the connection always holds an incomplete one, for
+    // three times the line timeout.
+    const WRITES: usize = 30;
+    client.write_all(b"HIT op=").unwrap();
+    let started = Instant::now();
+    for _ in 0..WRITES {
+        std::thread::sleep(Duration::from_millis(100));
+        client.write_all(b"a u=1\nHIT op=").unwrap();
+    }
+    client.write_all(b"a u=1\n").unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(3_000));
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    client.read_to_string(&mut answer).unwrap();
+    // Every line answered in order (the reset seconds count down meanwhile).
+    let credits: Vec<String> = answer
+        .lines()
+        .map(|line| {
+            line.rsplit_once(' ')
+                .map_or(line, |(head, _)| head)
+                .to_string()
+        })
+        .collect();
+    let expected: Vec<String> = (1..=WRITES + 1)
+        .map(|n| format!("OK true {}", 1_000_000 - n))
+        .collect();
+    assert_eq!(credits, expected, "{answer}");
 }
 
 /// An extension that panics, standing in for any bug on the serving path.
