@@ -354,6 +354,14 @@ impl App {
         .map_err(AppError::Cluster)?;
         if let Some(cluster) = &cluster {
             buckets.share(cluster.buckets());
+            if config.droplet.buckets_max != crate::droplet::DropletConfig::default().buckets_max {
+                // Said once at start rather than ignored silently.
+                tracing::warn!(
+                    "--droplet-buckets-max {} has no effect in cluster mode: buckets are counters there, capped with the others by --live-keys-max ({})",
+                    config.droplet.buckets_max,
+                    config.store.live_keys_max
+                );
+            }
         }
         let backend: Arc<dyn Backend> = match (&cluster, config.redis.backend) {
             (Some(cluster), _) => cluster.backend(),

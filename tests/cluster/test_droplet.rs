@@ -4,7 +4,8 @@
 //! lines sent to every node share one bucket, whose bound holds while the
 //! leader of its shard is SIGKILLed mid-stream (strict mode: nothing
 //! acknowledged is forgotten, so the new leader never refills the bucket),
-//! and buckets are kept in the data dirs across a full restart.
+//! and buckets are kept in the data dirs across a full restart. A node given
+//! `--droplet-buckets-max` says it has no effect there (buckets are counters).
 
 use crate::cluster_support::*;
 use crate::droplet_node::{assert_droplet_answers, run_droplet_client};
@@ -249,4 +250,25 @@ fn buckets_survive_a_full_restart_from_the_data_dirs() {
             "node {node}"
         );
     }
+}
+
+#[test]
+fn droplet_buckets_max_is_said_to_have_no_effect_in_cluster_mode() {
+    let _one = exclusive();
+    let cluster = TestCluster::start(3, SHARDS, &["--droplet-buckets-max", "2"]);
+    for id in 1..=3 {
+        let log = cluster.log(id);
+        assert!(
+            log.contains("--droplet-buckets-max 2 has no effect in cluster mode"),
+            "node {id}: {log}"
+        );
+    }
+    // Buckets are counters here: more than two are kept.
+    let takes: Vec<String> = (0..5)
+        .map(|b| format!("TAKE bucket=capped-{b} ld=100 count=1"))
+        .collect();
+    assert_eq!(
+        converse(cluster.client(1), &takes),
+        vec!["OK true ld=99"; takes.len()]
+    );
 }
