@@ -44,7 +44,8 @@ pub struct ProbeArgs {
     pub timeout_secs: f64,
 }
 
-/// What the probe saw; prints as `failover_ms=N errors=N slowest_round_ms=N`.
+/// What the probe saw; prints as `failover_ms=N errors=N slowest_round_ms=N`, then
+/// `first_error="…"` when an answer was not `OK` (the first such line, or why a round ended short).
 #[derive(Debug, Clone, PartialEq)]
 pub enum FailoverReport {
     /// The rounds before the kill already failed: nothing was killed.
@@ -55,6 +56,8 @@ pub enum FailoverReport {
         /// Answers after the kill that were not `OK` (or never came).
         errors: u64,
         slowest_round_ms: f64,
+        /// The first answer after the kill that was not `OK`, or why a round ended short.
+        first_error: Option<String>,
     },
 }
 
@@ -68,10 +71,17 @@ impl fmt::Display for FailoverReport {
                 failover_ms,
                 errors,
                 slowest_round_ms,
-            } => write!(
-                f,
-                "failover_ms={failover_ms:.0} errors={errors} slowest_round_ms={slowest_round_ms:.0}"
-            ),
+                first_error,
+            } => {
+                write!(
+                    f,
+                    "failover_ms={failover_ms:.0} errors={errors} slowest_round_ms={slowest_round_ms:.0}"
+                )?;
+                match first_error {
+                    Some(error) => write!(f, " first_error={error:?}"),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }
@@ -82,6 +92,8 @@ struct Round {
     ok: bool,
     errors: u64,
     took: Duration,
+    /// The round's first answer that was not `OK`, or why it ended short.
+    first_error: Option<String>,
 }
 
 /// A connection to the surviving node, reopened after the node closes it (it does after an `ERR`).
@@ -108,6 +120,7 @@ impl Probe {
         let started = Instant::now();
         let mut answers = 0;
         let mut errors = 0;
+        let mut first_error = None;
         if let Some((stream, reader)) = self.connection.as_mut() {
             if stream.write_all(&self.batch).is_ok() {
                 let mut line = String::new();
@@ -118,6 +131,7 @@ impl Probe {
                             answers += 1;
                             if !line.starts_with("OK ") {
                                 errors += 1;
+                                first_error.get_or_insert_with(|| line.trim_end().to_string());
                             }
                         }
                         _ => break,
@@ -129,16 +143,24 @@ impl Probe {
         if answers < self.actors {
             // The node closed the connection (after an ERR line) or stopped answering.
             self.connect()?;
+            let why = format!(
+                "the connection ended after {answers} of {} answers",
+                self.actors
+            );
             return Ok(Round {
                 ok: false,
                 errors: self.actors as u64,
                 took,
+                first_error: Some(
+                    first_error.map_or(why.clone(), |line| format!("{line} ({why})")),
+                ),
             });
         }
         Ok(Round {
             ok: errors == 0,
             errors,
             took,
+            first_error,
         })
     }
 }
@@ -178,12 +200,16 @@ pub fn probe(args: &ProbeArgs) -> Result<FailoverReport> {
     let killed = Instant::now();
     sigkill(args.pid)?;
     let mut errors = 0;
+    let mut first_error = None;
     let mut slowest = Duration::ZERO;
     let mut last_disturbed_end: Option<Instant> = None;
     let mut calm_rounds = 0;
     while killed.elapsed() < timeout {
         let round = probe.round()?;
         errors += round.errors;
+        if first_error.is_none() {
+            first_error = round.first_error;
+        }
         slowest = slowest.max(round.took);
         if !round.ok || round.took > slow {
             last_disturbed_end = Some(Instant::now());
@@ -202,6 +228,7 @@ pub fn probe(args: &ProbeArgs) -> Result<FailoverReport> {
         failover_ms: last_disturbed_end.map_or(0.0, |end| ms(end - killed)),
         errors,
         slowest_round_ms: ms(slowest),
+        first_error,
     })
 }
 
@@ -242,10 +269,21 @@ mod tests {
             failover_ms: 1234.4,
             errors: 3,
             slowest_round_ms: 980.6,
+            first_error: None,
         };
         assert_eq!(
             measured.to_string(),
             "failover_ms=1234 errors=3 slowest_round_ms=981"
+        );
+        let with_error = FailoverReport::Measured {
+            failover_ms: 700.0,
+            errors: 512,
+            slowest_round_ms: 690.0,
+            first_error: Some("ERR unknown \"shard 3 unavailable\"".to_string()),
+        };
+        assert_eq!(
+            with_error.to_string(),
+            "failover_ms=700 errors=512 slowest_round_ms=690 first_error=\"ERR unknown \\\"shard 3 unavailable\\\"\""
         );
         assert_eq!(
             FailoverReport::FailedBeforeKill.to_string(),

@@ -181,7 +181,8 @@ fn the_failover_probe_kills_its_victim_and_sees_no_disturbance_on_a_steady_serve
         failover_ms,
         errors,
         slowest_round_ms,
-    } = report
+        first_error,
+    } = report.clone()
     else {
         panic!("measured: {report:?}");
     };
@@ -191,6 +192,7 @@ fn the_failover_probe_kills_its_victim_and_sees_no_disturbance_on_a_steady_serve
     // scheduling stall can make one so (seen: one round of 111 ms, counted
     // as a 160 ms "failover"); a stall is short, a failover is not.
     assert_eq!(errors, 0, "{report}");
+    assert_eq!(first_error, None, "{report}");
     assert!(
         failover_ms == 0.0 || (slowest_round_ms < 1_000.0 && failover_ms < 1_500.0),
         "{report}"
