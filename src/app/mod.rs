@@ -217,6 +217,7 @@ impl Endpoints {
                         message_bytes_max: self.grpc.message_bytes_max,
                         streams_per_connection_max: self.grpc.streams_per_connection_max,
                         first_byte_timeout_ms: self.grpc.first_byte_timeout_ms,
+                        keep_alive_ms: self.grpc.keep_alive_ms,
                         limits: self.grpc.limits,
                     },
                     Arc::clone(engine),

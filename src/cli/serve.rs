@@ -204,6 +204,7 @@ impl GrpcArgs {
             message_bytes_max: self.grpc_message_bytes_max,
             streams_per_connection_max: self.grpc_streams_max,
             first_byte_timeout_ms: GrpcConfig::default().first_byte_timeout_ms,
+            keep_alive_ms: GrpcConfig::default().keep_alive_ms,
             limits: EnvoyLimits {
                 descriptors_max: self.grpc_descriptors_max,
                 entries_per_descriptor_max: self.grpc_entries_max,

@@ -8,6 +8,7 @@
 //! message types come from the `envoy-types` crate (docs/architecture.md says
 //! why); docs/envoy.md documents the mapping.
 
+pub mod http2;
 pub mod mapping;
 pub mod server;
 
@@ -33,6 +34,10 @@ pub struct GrpcConfig {
     /// A connection that sends nothing for this long after connecting is
     /// closed, in milliseconds.
     pub first_byte_timeout_ms: u64,
+    /// A connection silent this long is pinged, and closed when as long
+    /// again passes without a byte (also the bound on one write), in
+    /// milliseconds.
+    pub keep_alive_ms: u64,
     /// Bounds on a request's shape (descriptors, entries, `hits_addend`).
     pub limits: EnvoyLimits,
 }
@@ -44,6 +49,7 @@ impl Default for GrpcConfig {
             message_bytes_max: 64 * 1024,
             streams_per_connection_max: 1024,
             first_byte_timeout_ms: 10_000,
+            keep_alive_ms: 20_000,
             limits: EnvoyLimits::default(),
         }
     }

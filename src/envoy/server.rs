@@ -1,68 +1,65 @@
 //! The gRPC endpoint (`--grpc-listen`): HTTP/2 connections on the
 //! thread-per-core acceptor that the line protocol and droplet share (the
 //! connection limit, panics and drain are handled there), each served by
-//! hyper's HTTP/2 server. Two methods are answered:
-//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`, framed
-//! here (the body read whole within the size limit, the 5-byte gRPC prefix
-//! checked, the response message and its `grpc-status: 0` trailers written
-//! by a two-frame body: tonic's generic unary machinery cost more per call
-//! than the decision), and `grpc.health.v1.Health/Check`, framed by tonic;
-//! any other is `UNIMPLEMENTED`.
+//! one task that reads, hands the bytes to the purpose-built
+//! [`http2::Connection`], decides every call whose request is complete in
+//! that read, and writes all their answers at once: the line protocol's
+//! shape (hyper's general server cost ten times the decision per call;
+//! docs/benchmarks.md, issue 16). Two methods are answered:
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` and
+//! `grpc.health.v1.Health/Check`; any other is `UNIMPLEMENTED`, a request
+//! that is not gRPC gets HTTP's 415.
 //!
-//! Bad input stays bounded: a message larger than `message_bytes_max` is
-//! refused (`RESOURCE_EXHAUSTED`) before it is buffered, one that does not
-//! decode (truncated, non-UTF-8 strings) is `INVALID_ARGUMENT`, streams per
-//! connection are capped (more wait for HTTP/2 flow control; rapid resets
-//! are capped by hyper), a connection that sends nothing is closed after
-//! `first_byte_timeout_ms`, and keep-alive pings drop peers that stopped
-//! answering. Every call is counted in `tollgate_grpc_requests_total` by
-//! method and status code.
+//! A call whose backend answers later (Redis, a shard on another cluster
+//! node) waits in the connection's set of pending calls, polled beside the
+//! socket; the memory backend answers at once. Bad input stays bounded: a
+//! message larger than `message_bytes_max` is refused
+//! (`RESOURCE_EXHAUSTED`) without being kept, one that does not decode
+//! (truncated, non-UTF-8 strings) is `INVALID_ARGUMENT`, streams per
+//! connection are capped (more are refused, `REFUSED_STREAM`), a connection
+//! that sends nothing is closed after `first_byte_timeout_ms`, one silent
+//! for `keep_alive_ms` is pinged and closed when another `keep_alive_ms`
+//! passes without a byte, and one that stops reading its answers is closed
+//! after `keep_alive_ms`. Every call is counted in
+//! `tollgate_grpc_requests_total` by method and status code.
 
+use super::http2::{self, Call, Http2Limits, Route};
 use super::mapping::{self, EnvoyLimits};
-use crate::engine::Engine;
+use crate::engine::{Engine, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::protocol::Pairs;
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
-use bytes::{BufMut, Bytes, BytesMut};
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use bytes::{Buf, BytesMut};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper::body::{Frame, Incoming};
-use hyper_util::rt::{TokioIo, TokioTimer};
-use std::cell::RefCell;
-use std::convert::Infallible;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::rc::Rc;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tonic::codegen::http;
-use tonic::server::{Grpc, UnaryService};
+use tokio::time::Instant;
 use tonic::Status;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
-use tonic_prost::ProstCodec;
 
 /// The path of Envoy's rate limit call.
 pub const SHOULD_RATE_LIMIT_PATH: &str =
     "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 /// The path of the gRPC health check.
 pub const HEALTH_CHECK_PATH: &str = "/grpc.health.v1.Health/Check";
-/// Pings a connection idle this long, in milliseconds...
-const KEEP_ALIVE_INTERVAL_MS: u64 = 20_000;
-/// ...and closes it when the ping is not answered within this long.
-const KEEP_ALIVE_TIMEOUT_MS: u64 = 20_000;
+/// The paths answered, in [`Route::Known`]'s order.
+const ROUTES: &[&str] = &[SHOULD_RATE_LIMIT_PATH, HEALTH_CHECK_PATH];
+const ROUTE_SHOULD_RATE_LIMIT: usize = 0;
+const ROUTE_HEALTH_CHECK: usize = 1;
 /// Largest request header block, in bytes.
-const HEADER_LIST_BYTES_MAX: u32 = 16 * 1024;
-/// Streams a client may reset before their handling starts (rapid reset).
-const PENDING_RESET_STREAMS_MAX: usize = 64;
+const HEADER_BLOCK_BYTES_MAX: usize = 16 * 1024;
 /// gRPC's message prefix: a compression flag and a 4-byte length.
 const MESSAGE_PREFIX_BYTES: usize = 5;
+/// Room kept free in a connection's read buffer, in bytes.
+const READ_ROOM_BYTES: usize = 32 * 1024;
 
 /// Where and how the gRPC endpoint serves.
 #[derive(Debug, Clone)]
@@ -79,8 +76,11 @@ pub struct GrpcServerConfig {
     /// Most concurrent streams per HTTP/2 connection.
     pub streams_per_connection_max: u32,
     /// A connection that sends nothing for this long after connecting is
-    /// closed (keep-alive pings watch it once HTTP/2 is up).
+    /// closed.
     pub first_byte_timeout_ms: u64,
+    /// A connection silent this long is pinged, and closed when as long
+    /// again passes without a byte; also the bound on a write.
+    pub keep_alive_ms: u64,
     pub limits: EnvoyLimits,
 }
 
@@ -90,6 +90,7 @@ pub struct GrpcProtocol {
     message_bytes_max: usize,
     streams_per_connection_max: u32,
     first_byte_timeout_ms: u64,
+    keep_alive_ms: u64,
     limits: EnvoyLimits,
 }
 
@@ -107,6 +108,7 @@ pub fn bind(
         message_bytes_max: config.message_bytes_max.max(1),
         streams_per_connection_max: config.streams_per_connection_max.max(1),
         first_byte_timeout_ms: config.first_byte_timeout_ms.max(1),
+        keep_alive_ms: config.keep_alive_ms.max(1),
         limits: config.limits,
     });
     let acceptor = AcceptorConfig {
@@ -122,53 +124,101 @@ pub fn bind(
 /// A serving endpoint, as every endpoint's.
 pub type RunningGrpc = Serving;
 
+/// A call whose answer comes later: its stream, method, and its response
+/// message (prefixed) or status.
+type PendingCall = LocalBoxFuture<'static, (u32, GrpcMethod, Result<Vec<u8>, Status>)>;
+
+/// How a call was answered, or that it will be.
+enum Answer {
+    /// The prefixed response message is in the scratch buffer.
+    Message,
+    Status(Status),
+    Later(LocalBoxFuture<'static, Result<Vec<u8>, Status>>),
+}
+
 impl ConnectionHandler for GrpcProtocol {
-    async fn serve(self: Arc<Self>, stream: TcpStream, mut shutdown: watch::Receiver<bool>) {
+    async fn serve(self: Arc<Self>, mut stream: TcpStream, mut shutdown: watch::Receiver<bool>) {
         let _ = stream.set_nodelay(true);
-        // A client that connects and says nothing would hold a connection
-        // slot for good: HTTP/2's keep-alive starts only after its preface.
-        let mut first = [0u8; 1];
-        let first_byte = tokio::time::timeout(
-            Duration::from_millis(self.first_byte_timeout_ms),
-            stream.peek(&mut first),
-        )
-        .await;
-        if !matches!(first_byte, Ok(Ok(read)) if read > 0) {
-            return;
-        }
-        let streams = StreamSet::default();
-        let mut builder = hyper::server::conn::http2::Builder::new(streams.clone());
-        builder
-            .timer(TokioTimer::new())
-            .max_concurrent_streams(self.streams_per_connection_max)
-            .max_header_list_size(HEADER_LIST_BYTES_MAX)
-            .max_pending_accept_reset_streams(Some(PENDING_RESET_STREAMS_MAX))
-            .keep_alive_interval(Some(Duration::from_millis(KEEP_ALIVE_INTERVAL_MS)))
-            .keep_alive_timeout(Duration::from_millis(KEEP_ALIVE_TIMEOUT_MS))
-            // gRPC has no use for a `date` header on every response.
-            .auto_date_header(false);
-        let shared = Arc::clone(&self);
-        let service = hyper::service::service_fn(move |request| {
-            let shared = Arc::clone(&shared);
-            // Boxed: a small stream future moves cheaply.
-            Box::pin(async move { Ok::<_, Infallible>(shared.route(request).await) })
-        });
-        let connection = builder.serve_connection(TokioIo::new(stream), service);
-        tokio::pin!(connection);
+        let limits = Http2Limits {
+            streams_max: self.streams_per_connection_max,
+            body_bytes_max: self.message_bytes_max.saturating_add(MESSAGE_PREFIX_BYTES),
+            header_block_bytes_max: HEADER_BLOCK_BYTES_MAX,
+        };
+        let mut connection = http2::Connection::new(limits, ROUTES);
+        let mut input = BytesMut::with_capacity(2 * READ_ROOM_BYTES);
+        let mut calls: Vec<Call> = Vec::new();
+        let mut pending: FuturesUnordered<PendingCall> = FuturesUnordered::new();
+        let mut scratch = Vec::new();
+        let keep_alive = Duration::from_millis(self.keep_alive_ms);
+        // Nothing is written before the client speaks: a silent connection
+        // is closed after `first_byte_timeout_ms` without a byte.
+        let mut heard = false;
+        let mut last_heard = Instant::now();
+        let mut pinged = false;
+        let timer = tokio::time::sleep(Duration::from_millis(self.first_byte_timeout_ms));
+        tokio::pin!(timer);
+        let mut draining = false;
         if *shutdown.borrow() {
-            connection.as_mut().graceful_shutdown();
+            connection.go_away();
+            draining = true;
         }
-        tokio::select! {
-            _ = streams.drive(connection.as_mut()) => {}
-            _ = shutdown.changed() => {
-                connection.as_mut().graceful_shutdown();
-                // GOAWAY sent: calls in progress finish (the acceptor bounds this).
-                let _ = streams.drive(connection.as_mut()).await;
+        loop {
+            if heard && !connection.output().is_empty() {
+                let written =
+                    tokio::time::timeout(keep_alive, stream.write_all(connection.output())).await;
+                if !matches!(written, Ok(Ok(()))) {
+                    break;
+                }
+                connection.output().clear();
+            }
+            if connection.is_finished() {
+                break;
+            }
+            if input.capacity() - input.len() < READ_ROOM_BYTES {
+                input.reserve(2 * READ_ROOM_BYTES);
+            }
+            tokio::select! {
+                read = stream.read_buf(&mut input) => {
+                    if !matches!(read, Ok(read) if read > 0) {
+                        break;
+                    }
+                    heard = true;
+                    last_heard = Instant::now();
+                    let used = connection.receive(&input, &mut calls);
+                    for call in calls.drain(..) {
+                        self.answer(call, &input, &mut connection, &mut pending, &mut scratch);
+                    }
+                    input.advance(used);
+                }
+                Some((stream_id, method, answer)) = pending.next(), if !pending.is_empty() => {
+                    self.respond(&mut connection, stream_id, method, answer);
+                }
+                _ = &mut timer => {
+                    if !heard {
+                        break;
+                    }
+                    let silent = last_heard.elapsed();
+                    if silent >= keep_alive {
+                        if pinged {
+                            break;
+                        }
+                        connection.ping();
+                        pinged = true;
+                        last_heard = Instant::now();
+                    } else {
+                        pinged = false;
+                    }
+                    timer.as_mut().reset(last_heard + keep_alive);
+                }
+                _ = shutdown.changed(), if !draining => {
+                    connection.go_away();
+                    draining = true;
+                }
             }
         }
         // Calls still deciding when the connection ended (their answers cannot
         // be sent) finish rather than stop halfway.
-        std::future::poll_fn(|cx| streams.poll_streams(cx)).await;
+        while pending.next().await.is_some() {}
     }
 
     async fn refuse(self: Arc<Self>, stream: TcpStream) {
@@ -177,174 +227,173 @@ impl ConnectionHandler for GrpcProtocol {
     }
 }
 
-/// The calls (HTTP/2 streams) of one connection, run inside the
-/// connection's own task: hyper hands each stream to its executor, and a
-/// tokio task per call (allocated, scheduled, woken across tasks) cost more
-/// than the call's decision. A call that panicked would end its connection
-/// (logged by the acceptor, as on the other endpoints) rather than only its
-/// stream.
-#[derive(Clone, Default)]
-struct StreamSet(Rc<StreamSetInner>);
-
-#[derive(Default)]
-struct StreamSetInner {
-    running: RefCell<FuturesUnordered<LocalBoxFuture<'static, ()>>>,
-    /// Streams handed over while `running` is being polled (never, for
-    /// gRPC: only HTTP upgrades spawn from a stream), moved in before the
-    /// next poll.
-    incoming: RefCell<Vec<LocalBoxFuture<'static, ()>>>,
-}
-
-impl<F: Future<Output = ()> + 'static> hyper::rt::Executor<F> for StreamSet {
-    fn execute(&self, stream: F) {
-        match self.0.running.try_borrow_mut() {
-            Ok(running) => running.push(Box::pin(stream)),
-            Err(_) => self.0.incoming.borrow_mut().push(Box::pin(stream)),
-        }
-    }
-}
-
-impl StreamSet {
-    /// Polls every stream that can progress; ready when none is left.
-    fn poll_streams(&self, cx: &mut Context<'_>) -> Poll<()> {
-        loop {
-            let mut running = self.0.running.borrow_mut();
-            running.extend(self.0.incoming.borrow_mut().drain(..));
-            let polled = running.poll_next_unpin(cx);
-            drop(running);
-            match polled {
-                Poll::Ready(Some(())) => continue,
-                Poll::Ready(None) if self.0.incoming.borrow().is_empty() => return Poll::Ready(()),
-                Poll::Ready(None) => continue,
-                Poll::Pending if self.0.incoming.borrow().is_empty() => return Poll::Pending,
-                Poll::Pending => continue,
-            }
-        }
-    }
-
-    /// Drives `connection` and its streams until the connection ends.
-    fn drive<'a, C: Future>(
-        &'a self,
-        mut connection: Pin<&'a mut C>,
-    ) -> impl Future<Output = C::Output> + 'a {
-        std::future::poll_fn(move |cx| {
-            let _ = self.poll_streams(cx);
-            let polled = connection.as_mut().poll(cx);
-            if polled.is_pending() {
-                // Streams the connection just accepted start now.
-                let _ = self.poll_streams(cx);
-            }
-            polled
-        })
-    }
-}
-
 impl GrpcProtocol {
-    async fn route(
-        self: Arc<Self>,
-        request: http::Request<Incoming>,
-    ) -> http::Response<tonic::body::Body> {
-        let metrics = Arc::clone(&self.engine.metrics);
-        let (method, response) = match request.uri().path() {
-            SHOULD_RATE_LIMIT_PATH => {
-                let (code, response) = match self.should_rate_limit_call(request).await {
-                    Ok(message) => (0, unary_response(message)),
-                    Err(status) => (status.code() as usize, status.into_http()),
+    /// Answers one call now, or adds it to the connection's pending calls.
+    fn answer(
+        &self,
+        call: Call,
+        input: &[u8],
+        connection: &mut http2::Connection,
+        pending: &mut FuturesUnordered<PendingCall>,
+        scratch: &mut Vec<u8>,
+    ) {
+        let stream_id = call.stream_id;
+        if !call.grpc {
+            connection.respond_status(stream_id, 0, "");
+            return;
+        }
+        let body = call.body.bytes(input);
+        let (method, answer) = match call.route {
+            Route::Known(ROUTE_SHOULD_RATE_LIMIT) => (
+                GrpcMethod::ShouldRateLimit,
+                self.should_rate_limit_call(body, scratch),
+            ),
+            Route::Known(ROUTE_HEALTH_CHECK) => (
+                GrpcMethod::Health,
+                health_check(body, self.message_bytes_max, scratch),
+            ),
+            Route::Known(_) | Route::Unknown(_) => {
+                let path = match &call.route {
+                    Route::Unknown(path) => path,
+                    Route::Known(_) => "",
                 };
-                metrics.grpc_response(GrpcMethod::ShouldRateLimit, code);
-                return response;
-            }
-            HEALTH_CHECK_PATH => {
-                let codec = ProstCodec::<HealthCheckResponse, HealthCheckRequest>::default();
-                let mut grpc = Grpc::new(codec).max_decoding_message_size(self.message_bytes_max);
-                let response = grpc.unary(HealthCheck, request).await;
-                (GrpcMethod::Health, response)
-            }
-            path => {
                 let status = Status::unimplemented(format!("no such method: {path}"));
-                return status.into_http();
+                connection.respond_status(stream_id, status.code() as u32, status.message());
+                return;
             }
         };
-        let mut response = response;
-        let code = grpc_status(&response);
-        let code = if code == tonic::Code::OutOfRange as usize {
-            // tonic's refusal of a message over the size limit.
-            response = message_too_large(self.message_bytes_max).into_http();
-            tonic::Code::ResourceExhausted as usize
-        } else {
-            code
+        match answer {
+            Answer::Message => {
+                self.engine.metrics.grpc_response(method, 0);
+                connection.respond(stream_id, scratch);
+            }
+            Answer::Status(status) => self.respond(connection, stream_id, method, Err(status)),
+            Answer::Later(future) => {
+                pending.push(Box::pin(async move { (stream_id, method, future.await) }));
+            }
+        }
+    }
+
+    /// Writes a call's answer and counts it.
+    fn respond(
+        &self,
+        connection: &mut http2::Connection,
+        stream_id: u32,
+        method: GrpcMethod,
+        answer: Result<Vec<u8>, Status>,
+    ) {
+        match answer {
+            Ok(message) => {
+                self.engine.metrics.grpc_response(method, 0);
+                connection.respond(stream_id, &message);
+            }
+            Err(status) => {
+                let code = status.code() as u32;
+                self.engine.metrics.grpc_response(method, code as usize);
+                connection.respond_status(stream_id, code, status.message());
+            }
+        }
+    }
+
+    /// One `ShouldRateLimit` call: the request message decoded and every
+    /// descriptor decided, in order (started together, so that a slower
+    /// backend decides them concurrently).
+    fn should_rate_limit_call(&self, body: &[u8], scratch: &mut Vec<u8>) -> Answer {
+        let message = match request_message(body, self.message_bytes_max) {
+            Ok(message) => message,
+            Err(status) => return Answer::Status(status),
         };
-        metrics.grpc_response(method, code);
-        response
-    }
-
-    /// One `ShouldRateLimit` call: the request message read whole (refused
-    /// past `message_bytes_max`), decided, and the response message with its
-    /// gRPC prefix.
-    async fn should_rate_limit_call(
-        &self,
-        request: http::Request<Incoming>,
-    ) -> Result<Bytes, Status> {
-        let limit = self.message_bytes_max.saturating_add(MESSAGE_PREFIX_BYTES);
-        let body = Limited::new(request.into_body(), limit)
-            .collect()
-            .await
-            .map_err(|error| {
-                if error.is::<LengthLimitError>() {
-                    message_too_large(self.message_bytes_max)
-                } else {
-                    Status::cancelled(format!("reading the request: {error}"))
+        let request = match mapping::decode_request(message) {
+            Ok(request) => request,
+            Err(error) => return Answer::Status(Status::invalid_argument(error)),
+        };
+        let outcomes = match self.decide(&request) {
+            Ok(outcomes) => outcomes,
+            Err(status) => return Answer::Status(status),
+        };
+        if outcomes
+            .iter()
+            .all(|outcome| matches!(outcome, OperationOutcome::Now(_)))
+        {
+            let mut statuses = Vec::with_capacity(outcomes.len());
+            for outcome in outcomes {
+                let OperationOutcome::Now(answer) = outcome else {
+                    unreachable!("every outcome is ready");
+                };
+                match mapping::descriptor_status(&answer) {
+                    Ok(status) => statuses.push(status),
+                    Err(error) => return Answer::Status(Status::unavailable(error)),
                 }
-            })?
-            .to_bytes();
-        let message = request_message(&body, self.message_bytes_max)?;
-        let request = mapping::decode_request(message).map_err(Status::invalid_argument)?;
-        let response = self.should_rate_limit(request).await?;
-        let length = prost::Message::encoded_len(&response);
-        let mut out = BytesMut::with_capacity(MESSAGE_PREFIX_BYTES + length);
-        out.put_u8(0);
-        out.put_u32(u32::try_from(length).unwrap_or(u32::MAX));
-        prost::Message::encode_raw(&response, &mut out);
-        Ok(out.freeze())
+            }
+            encode_message(&mapping::response(statuses), scratch);
+            return Answer::Message;
+        }
+        Answer::Later(Box::pin(async move {
+            let mut statuses: Vec<DescriptorStatus> = Vec::with_capacity(outcomes.len());
+            for outcome in outcomes {
+                let answer = outcome.answer().await;
+                match mapping::descriptor_status(&answer) {
+                    Ok(status) => statuses.push(status),
+                    Err(error) => return Err(Status::unavailable(error)),
+                }
+            }
+            let mut message = Vec::new();
+            encode_message(&mapping::response(statuses), &mut message);
+            Ok(message)
+        }))
     }
 
-    /// Decides every descriptor of `request`, in order.
-    async fn should_rate_limit(
-        &self,
-        request: RateLimitRequest,
-    ) -> Result<RateLimitResponse, Status> {
-        let operations = mapping::operations(&request, &self.limits)
+    /// Every descriptor of `request` handed to the engine, or why the
+    /// request is refused whole.
+    fn decide(&self, request: &RateLimitRequest) -> Result<Vec<OperationOutcome>, Status> {
+        let operations = mapping::operations(request, &self.limits)
             .map_err(|error| Status::invalid_argument(error.to_string()))?;
         let arrival = self.engine.arrival();
-        // Started together, so that a slower backend (Redis, a forwarded
-        // shard) decides the descriptors concurrently.
-        let outcomes: Vec<_> = operations
+        Ok(operations
             .iter()
             .map(|operation| {
                 let pairs = Pairs::from_slice(&operation.pairs);
                 self.engine
                     .decide_operation(&pairs, operation.hits, operation.peek, arrival)
             })
-            .collect();
-        let mut statuses = Vec::with_capacity(outcomes.len());
-        for outcome in outcomes {
-            let answer = outcome.answer().await;
-            let status = mapping::descriptor_status(&answer).map_err(Status::unavailable)?;
-            statuses.push(status);
-        }
-        Ok(mapping::response(statuses))
+            .collect())
     }
 }
 
-/// The `grpc-status` of a trailers-only response (an error), else 0: a
-/// unary call's success sends its status in the trailers.
-fn grpc_status(response: &http::Response<tonic::body::Body>) -> usize {
-    response
-        .headers()
-        .get("grpc-status")
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(0)
+/// `message` with its gRPC prefix (not compressed, its length), into `out`.
+fn encode_message(message: &impl prost::Message, out: &mut Vec<u8>) {
+    let length = message.encoded_len();
+    out.clear();
+    out.reserve(MESSAGE_PREFIX_BYTES + length);
+    out.push(0);
+    out.extend_from_slice(&u32::try_from(length).unwrap_or(u32::MAX).to_be_bytes());
+    message.encode_raw(out);
+}
+
+/// The service name Envoy's health checks may ask for.
+const RATE_LIMIT_SERVICE: &str = "envoy.service.ratelimit.v3.RateLimitService";
+
+/// `grpc.health.v1.Health/Check`: serving for the whole server (`""`) and
+/// for the rate limit service; `NOT_FOUND` for any other service name.
+fn health_check(body: &[u8], bytes_max: usize, scratch: &mut Vec<u8>) -> Answer {
+    let request = request_message(body, bytes_max).and_then(|message| {
+        <HealthCheckRequest as prost::Message>::decode(message).map_err(|error| {
+            Status::invalid_argument(format!("malformed HealthCheckRequest: {error}"))
+        })
+    });
+    match request {
+        Ok(request) => match request.service.as_str() {
+            "" | RATE_LIMIT_SERVICE => {
+                let response = HealthCheckResponse {
+                    status: ServingStatus::Serving as i32,
+                };
+                encode_message(&response, scratch);
+                Answer::Message
+            }
+            other => Answer::Status(Status::not_found(format!("unknown service {other}"))),
+        },
+        Err(status) => Answer::Status(status),
+    }
 }
 
 /// The status of a request message over `bytes_max`.
@@ -377,72 +426,6 @@ fn request_message(body: &[u8], bytes_max: usize) -> Result<&[u8], Status> {
             "compressed request messages are not accepted (send them uncompressed)",
         )),
         _ => Err(Status::invalid_argument("malformed gRPC message prefix")),
-    }
-}
-
-/// A successful unary response: `message` (prefixed), then the trailers.
-fn unary_response(message: Bytes) -> http::Response<tonic::body::Body> {
-    let mut response = http::Response::new(tonic::body::Body::new(UnaryBody {
-        message: Some(message),
-        trailers_sent: false,
-    }));
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/grpc"),
-    );
-    response
-}
-
-/// The body of a successful unary call: one message, then `grpc-status: 0`.
-struct UnaryBody {
-    message: Option<Bytes>,
-    trailers_sent: bool,
-}
-
-impl hyper::body::Body for UnaryBody {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        if let Some(message) = self.message.take() {
-            return Poll::Ready(Some(Ok(Frame::data(message))));
-        }
-        if self.trailers_sent {
-            return Poll::Ready(None);
-        }
-        self.trailers_sent = true;
-        let mut trailers = http::HeaderMap::with_capacity(1);
-        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-        Poll::Ready(Some(Ok(Frame::trailers(trailers))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.message.is_none() && self.trailers_sent
-    }
-}
-
-/// `grpc.health.v1.Health/Check`: serving for the whole server (`""`) and
-/// for the rate limit service; `NOT_FOUND` for any other service name.
-struct HealthCheck;
-
-/// The service name Envoy's health checks may ask for.
-const RATE_LIMIT_SERVICE: &str = "envoy.service.ratelimit.v3.RateLimitService";
-
-impl UnaryService<HealthCheckRequest> for HealthCheck {
-    type Response = HealthCheckResponse;
-    type Future = std::future::Ready<Result<tonic::Response<HealthCheckResponse>, Status>>;
-
-    fn call(&mut self, request: tonic::Request<HealthCheckRequest>) -> Self::Future {
-        let service = request.into_inner().service;
-        std::future::ready(match service.as_str() {
-            "" | RATE_LIMIT_SERVICE => Ok(tonic::Response::new(HealthCheckResponse {
-                status: ServingStatus::Serving as i32,
-            })),
-            other => Err(Status::not_found(format!("unknown service {other}"))),
-        })
     }
 }
 
