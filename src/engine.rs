@@ -567,7 +567,7 @@ impl Engine {
         peek: bool,
         arrival: Arrival,
     ) -> OperationOutcome {
-        let loaded = self.rules.load_full();
+        let loaded = self.rules.load();
         let hits = if peek { 1 } else { hits.max(1) };
         let (ops, plan) = Self::plan_hits(&loaded, pairs, peek, hits);
         let decided = if ops.is_empty() {
@@ -587,6 +587,7 @@ impl Engine {
             )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
+                let loaded = arc_swap::Guard::into_inner(loaded);
                 OperationOutcome::Later(Box::pin(async move {
                     let decisions = future.await;
                     engine.answer_operation(

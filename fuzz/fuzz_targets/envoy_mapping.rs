@@ -13,7 +13,6 @@ use tollgate::engine::{Engine, OperationOutcome, UnavailablePolicy};
 use tollgate::envoy::mapping::{decode_request, descriptor_status, operations, response};
 use tollgate::envoy::EnvoyLimits;
 use tollgate::metrics::Metrics;
-use tollgate::protocol::Pairs;
 use tollgate::rules::RuleSet;
 use tollgate::store::{MemoryBackend, MemoryStore, MemoryStoreConfig};
 
@@ -76,10 +75,9 @@ fuzz_target!(|data: &[u8]| {
     let mut statuses = Vec::new();
     for operation in &operations {
         assert!(operation.hits >= 1 && u64::from(operation.hits) <= limits.hits_addend_max);
-        let pairs = Pairs::from_slice(&operation.pairs);
         let arrival = engine.arrival();
         let OperationOutcome::Now(answer) =
-            engine.decide_operation(&pairs, operation.hits, operation.peek, arrival)
+            engine.decide_operation(&operation.pairs, operation.hits, operation.peek, arrival)
         else {
             panic!("the memory backend decides at once");
         };

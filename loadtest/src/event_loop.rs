@@ -97,8 +97,8 @@ pub struct Plan {
     pub check: bool,
     /// Sent first on every new connection, and again after `NOSCRIPT` (resp-script).
     pub script_load: Option<Vec<u8>>,
-    /// envoy-rls: the HPACK header block of every call.
-    pub header_block: Vec<u8>,
+    /// envoy-rls: the HPACK header blocks of the calls.
+    pub headers: grpc::RequestHeaders,
     /// The longest request of the table, in bytes (envoy-rls: what flow control must allow).
     pub message_bytes_max: usize,
 }
@@ -520,7 +520,8 @@ impl Conn {
                         }
                         break;
                     };
-                    grpc::push_call(&mut self.wbuf, stream, &shared.plan.header_block, request);
+                    let block = h2.header_block(&shared.plan.headers);
+                    grpc::push_call(&mut self.wbuf, stream, block, request);
                 }
                 None => {
                     self.wbuf.extend_from_slice(request);

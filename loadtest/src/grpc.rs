@@ -2,9 +2,11 @@
 //! the generator's event loop (no async runtime, no per-call allocation). The template's words become
 //! one `RateLimitRequest` (its `domain=` word is the request's domain, every other `key=value` word
 //! one entry of its single descriptor, in order), encoded by hand as protobuf inside gRPC's 5-byte
-//! message prefix once per actor when the request table is built. Each call is a HEADERS frame (a
-//! header block built once per run, every field a literal without indexing, so nothing depends on
-//! HPACK state) and one DATA frame ending the stream; the stream id is the only part written per call.
+//! message prefix once per actor when the request table is built. Each call is a HEADERS frame (its
+//! header block built once per run: the first call of a connection indexes the fields in the
+//! server's HPACK table, later calls name them by index, as Envoy's and gRPC's own encoders do; see
+//! [`RequestHeaders`]) and one DATA frame ending the stream; the stream id is the only part written
+//! per call.
 //!
 //! Answers are read frame by frame and matched to their call by stream id ([`StreamTable`], no
 //! search): a call whose response message carries `overall_code` `OK` is allowed, `OVER_LIMIT`
@@ -41,6 +43,7 @@ const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
 /// SETTINGS parameters.
+const SETTINGS_HEADER_TABLE_SIZE: u16 = 0x1;
 const SETTINGS_ENABLE_PUSH: u16 = 0x2;
 const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
 const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
@@ -51,6 +54,8 @@ pub const WINDOW_BYTES_MAX: u32 = (1 << 31) - 1;
 pub const FRAME_PAYLOAD_BYTES_MAX: usize = 16_384;
 /// The receive window the client returns once it has read this many bytes of DATA.
 const WINDOW_RETURN_BYTES: u64 = 1 << 30;
+/// The HPACK table every peer has until SETTINGS says otherwise, in bytes.
+const DEFAULT_HEADER_TABLE_BYTES: usize = 4_096;
 /// The window every stream and the connection start with until SETTINGS says otherwise, in bytes.
 const DEFAULT_WINDOW_BYTES: i64 = 65_535;
 /// Highest client stream id.
@@ -157,22 +162,71 @@ fn push_hpack_str(out: &mut Vec<u8>, s: &[u8]) {
     out.extend_from_slice(s);
 }
 
-/// The header block of every call to `authority`: `:method POST` and `:scheme http` from the static
-/// table, the rest literals without indexing (the dynamic table is never used).
-pub fn request_header_block(authority: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(128);
-    out.push(0x83); // :method POST (static index 3)
-    out.push(0x86); // :scheme http (static index 6)
-    push_hpack_int(&mut out, 0, 4, 4); // :path, name from static index 4
-    push_hpack_str(&mut out, SHOULD_RATE_LIMIT_PATH.as_bytes());
-    push_hpack_int(&mut out, 0, 4, 1); // :authority, static index 1
-    push_hpack_str(&mut out, authority.as_bytes());
-    push_hpack_int(&mut out, 0, 4, 31); // content-type, static index 31
-    push_hpack_str(&mut out, b"application/grpc");
-    out.push(0); // te: a literal name
-    push_hpack_str(&mut out, b"te");
-    push_hpack_str(&mut out, b"trailers");
-    out
+/// The header blocks of the calls to `authority`, as HTTP/2 clients encode them (Envoy's, gRPC's
+/// own): the first call on a connection adds `:path`, `:authority`, `content-type` and `te` to the
+/// server's dynamic table (literals with incremental indexing), and every later call names them by
+/// index; `:method POST` and `:scheme http` are in the static table. A server that allows less
+/// table than the four entries take is sent literals without indexing on every call.
+#[derive(Debug, Clone, Default)]
+pub struct RequestHeaders {
+    /// The first call's block.
+    pub first: Vec<u8>,
+    /// Every later call's block (six bytes).
+    pub indexed: Vec<u8>,
+    /// Every call's block when the server's table is too small: a table size update to 0, then
+    /// literals without indexing.
+    pub literal: Vec<u8>,
+    /// What the four entries take of the server's dynamic table (HPACK counts 32 bytes per entry
+    /// beyond its name and value), in bytes.
+    pub table_bytes: usize,
+}
+
+/// Static table indexes (RFC 7541, appendix A).
+const STATIC_AUTHORITY: usize = 1;
+const STATIC_PATH: usize = 4;
+const STATIC_CONTENT_TYPE: usize = 31;
+/// The first dynamic table index.
+const DYNAMIC_FIRST: usize = 62;
+
+pub fn request_headers(authority: &str) -> RequestHeaders {
+    let fields: [(Option<usize>, &[u8], &[u8]); 4] = [
+        (
+            Some(STATIC_PATH),
+            b":path",
+            SHOULD_RATE_LIMIT_PATH.as_bytes(),
+        ),
+        (Some(STATIC_AUTHORITY), b":authority", authority.as_bytes()),
+        (
+            Some(STATIC_CONTENT_TYPE),
+            b"content-type",
+            b"application/grpc",
+        ),
+        (None, b"te", b"trailers"),
+    ];
+    let static_fields = [0x83, 0x86]; // :method POST, :scheme http
+    let mut headers = RequestHeaders::default();
+    headers.first.extend_from_slice(&static_fields);
+    headers.indexed.extend_from_slice(&static_fields);
+    headers.literal.push(0x20); // dynamic table size update: 0
+    headers.literal.extend_from_slice(&static_fields);
+    for (position, (name_index, name, value)) in fields.iter().enumerate() {
+        // Literal with incremental indexing (6-bit prefix), and without (4-bit prefix).
+        for (block, flags, bits) in [(&mut headers.first, 0x40, 6), (&mut headers.literal, 0, 4)] {
+            match name_index {
+                Some(index) => push_hpack_int(block, flags, bits, *index),
+                None => {
+                    block.push(flags);
+                    push_hpack_str(block, name);
+                }
+            }
+            push_hpack_str(block, value);
+        }
+        // The newest entry has the lowest index.
+        let index = DYNAMIC_FIRST + fields.len() - 1 - position;
+        push_hpack_int(&mut headers.indexed, 0x80, 7, index);
+        headers.table_bytes += name.len() + value.len() + 32;
+    }
+    headers
 }
 
 fn push_frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
@@ -387,6 +441,10 @@ pub struct StreamTable<T> {
     /// DATA bytes read and not yet returned in a WINDOW_UPDATE.
     unreturned_bytes: u64,
     pub live: usize,
+    /// The server's HPACK table size (`SETTINGS_HEADER_TABLE_SIZE`), in bytes.
+    header_table_bytes: usize,
+    /// The first call's header block (which fills the server's table) was sent.
+    headers_indexed: bool,
 }
 
 impl<T: Copy> StreamTable<T> {
@@ -403,6 +461,8 @@ impl<T: Copy> StreamTable<T> {
             going_away: false,
             unreturned_bytes: 0,
             live: 0,
+            header_table_bytes: DEFAULT_HEADER_TABLE_BYTES,
+            headers_indexed: false,
         }
     }
 
@@ -417,6 +477,20 @@ impl<T: Copy> StreamTable<T> {
         self.going_away = false;
         self.unreturned_bytes = 0;
         self.live = 0;
+        self.header_table_bytes = DEFAULT_HEADER_TABLE_BYTES;
+        self.headers_indexed = false;
+    }
+
+    /// The header block of the next call on this connection (see [`RequestHeaders`]).
+    pub fn header_block<'h>(&mut self, headers: &'h RequestHeaders) -> &'h [u8] {
+        if self.header_table_bytes < headers.table_bytes {
+            &headers.literal
+        } else if self.headers_indexed {
+            &headers.indexed
+        } else {
+            self.headers_indexed = true;
+            &headers.first
+        }
     }
 
     fn slot(&self, id: u32) -> usize {
@@ -515,6 +589,7 @@ impl<T: Copy> StreamTable<T> {
             match id {
                 SETTINGS_MAX_CONCURRENT_STREAMS => self.streams_max = value as usize,
                 SETTINGS_INITIAL_WINDOW_SIZE => self.stream_window_bytes = i64::from(value),
+                SETTINGS_HEADER_TABLE_SIZE => self.header_table_bytes = value as usize,
                 _ => {}
             }
         }
@@ -581,8 +656,20 @@ mod tests {
         out.clear();
         push_hpack_int(&mut out, 0, 7, 1337);
         assert_eq!(out, [0x7f, 0xba, 0x09]);
-        let block = request_header_block("h:1");
-        assert!(block.starts_with(&[0x83, 0x86, 0x04, SHOULD_RATE_LIMIT_PATH.len() as u8]));
+        let headers = request_headers("h:1");
+        assert!(headers
+            .first
+            .starts_with(&[0x83, 0x86, 0x44, SHOULD_RATE_LIMIT_PATH.len() as u8]));
+        assert_eq!(headers.indexed, [0x83, 0x86, 0xc1, 0xc0, 0xbf, 0xbe]);
+        assert!(headers.literal.starts_with(&[0x20, 0x83, 0x86, 0x04]));
+        let mut table = StreamTable::<()>::new(4);
+        assert_eq!(table.header_block(&headers), &headers.first[..]);
+        assert_eq!(table.header_block(&headers), &headers.indexed[..]);
+        table.reset();
+        assert_eq!(table.header_block(&headers), &headers.first[..]);
+        let mut ack = Vec::new();
+        table.settings(&[0, 1, 0, 0, 0, 0], &mut ack);
+        assert_eq!(table.header_block(&headers), &headers.literal[..]);
     }
 
     #[test]

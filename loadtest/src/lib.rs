@@ -90,10 +90,10 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         seed: args.seed,
         check: args.check,
         script_load: (args.protocol == Protocol::RespScript).then(script_load_command),
-        header_block: if args.protocol == Protocol::EnvoyRls {
-            grpc::request_header_block(&args.target)
+        headers: if args.protocol == Protocol::EnvoyRls {
+            grpc::request_headers(&args.target)
         } else {
-            Vec::new()
+            grpc::RequestHeaders::default()
         },
         message_bytes_max: table.longest(),
     };

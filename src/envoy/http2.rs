@@ -26,6 +26,7 @@
 //! bytes of requests. A protocol violation ends the connection with GOAWAY
 //! naming it; a stream-level one resets only that stream.
 
+use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -229,6 +230,9 @@ pub struct Connection {
     /// The highest stream id the client has opened.
     last_stream_id: u32,
     continuation: Option<PendingHeaders>,
+    /// Counts the header blocks that may have changed the HPACK table.
+    table_generation: u64,
+    indexed_block: IndexedBlock,
     /// The peer's connection window for the server's DATA, in bytes.
     send_window: i64,
     /// What the peer's `INITIAL_WINDOW_SIZE` gives each new stream.
@@ -259,6 +263,8 @@ impl Connection {
             streams: Streams::default(),
             last_stream_id: 0,
             continuation: None,
+            table_generation: 0,
+            indexed_block: IndexedBlock::default(),
             send_window: DEFAULT_WINDOW_BYTES,
             peer_initial_window: DEFAULT_WINDOW_BYTES,
             peer_frame_bytes_max: FRAME_PAYLOAD_BYTES_MAX,
@@ -659,17 +665,7 @@ impl Connection {
         block: &[u8],
         calls: &mut Vec<Call>,
     ) -> Result<(), ConnectionError> {
-        // Decoded first, whatever becomes of the stream: the table must
-        // follow the client's encoder.
-        let mut request = RequestHeaders {
-            routes: self.routes,
-            route: None,
-            post: false,
-            grpc: false,
-        };
-        self.decoder
-            .decode_with_cb(block, |name, value| request.see(name, value))
-            .map_err(|error| violation(ErrorCode::CompressionError, format!("HPACK: {error}")))?;
+        let request = self.decode_headers(block)?;
         if stream_id <= self.last_stream_id {
             // Trailers on a stream still sending, else a closed stream.
             return match self.streams.get_mut(&stream_id) {
@@ -718,6 +714,41 @@ impl Connection {
         }
         self.streams.insert(stream_id, stream);
         Ok(())
+    }
+
+    /// Decodes a header block, whatever becomes of its stream: the table
+    /// must follow the client's encoder. A block of indexed fields only
+    /// leaves the table as it was, so the same bytes mean the same headers
+    /// until a block that is not changes it: clients send one such block for
+    /// every call after the first, and it is decoded once.
+    fn decode_headers(&mut self, block: &[u8]) -> Result<RequestHeaders, ConnectionError> {
+        let cache = &self.indexed_block;
+        if cache.table_generation == self.table_generation && cache.block[..] == *block {
+            if let Some(headers) = &cache.headers {
+                return Ok(headers.clone());
+            }
+        }
+        let mut request = RequestHeaders {
+            routes: self.routes,
+            route: None,
+            post: false,
+            grpc: false,
+        };
+        self.decoder
+            .decode_with_cb(block, |name, value| request.see(name, value))
+            .map_err(|error| violation(ErrorCode::CompressionError, format!("HPACK: {error}")))?;
+        if !only_indexed(block) {
+            self.table_generation += 1;
+        } else if matches!(request.route, Some(Route::Known(_)))
+            && block.len() <= INDEXED_BLOCK_BYTES_MAX
+        {
+            self.indexed_block = IndexedBlock {
+                block: SmallVec::from_slice(block),
+                table_generation: self.table_generation,
+                headers: Some(request.clone()),
+            };
+        }
+        Ok(request)
     }
 
     /// The client ended a stream with trailers: its body is complete.
@@ -1031,7 +1062,40 @@ fn unpad(flags: u8, payload: &[u8]) -> Option<&[u8]> {
         .map(|length| &rest[..length])
 }
 
+/// Longest header block kept to be recognised, in bytes.
+const INDEXED_BLOCK_BYTES_MAX: usize = 32;
+
+/// The last header block of indexed fields only, and what it decoded to.
+#[derive(Default)]
+struct IndexedBlock {
+    block: SmallVec<[u8; INDEXED_BLOCK_BYTES_MAX]>,
+    /// The table it was decoded against.
+    table_generation: u64,
+    headers: Option<RequestHeaders>,
+}
+
+/// Whether every field of `block` is an indexed one (RFC 7541, 6.1), which
+/// leaves the dynamic table unchanged.
+fn only_indexed(block: &[u8]) -> bool {
+    let mut rest = block;
+    while let Some((first, tail)) = rest.split_first() {
+        if first & 0x80 == 0 {
+            return false;
+        }
+        rest = tail;
+        if first & 0x7f == 0x7f {
+            // The index goes on in bytes whose top bit says more follow.
+            let Some(end) = rest.iter().position(|byte| byte & 0x80 == 0) else {
+                return false;
+            };
+            rest = &rest[end + 1..];
+        }
+    }
+    true
+}
+
 /// What the server reads of a request's headers.
+#[derive(Clone)]
 struct RequestHeaders {
     routes: &'static [&'static str],
     route: Option<Route>,

@@ -13,15 +13,18 @@
 //! entry named `domain`, negative hits), are refused whole, before anything
 //! is counted, with a [`MappingError`] that becomes `INVALID_ARGUMENT`.
 
+pub use super::wire::{RequestView, WireError};
 use crate::engine::{OperationAnswer, Reply};
 use crate::limiter::Decision;
+use crate::protocol::Pairs;
 use crate::rules::Quota;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::Duration;
+use smallvec::SmallVec;
 
 /// The key the request's domain takes in each operation.
 pub const DOMAIN_KEY: &str = "domain";
@@ -82,24 +85,23 @@ pub enum MappingError {
 /// many hits it counts, and whether it only looks (`PEEK`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Operation<'a> {
-    pub pairs: Vec<(&'a str, &'a str)>,
+    pub pairs: Pairs<'a>,
     pub hits: u32,
     pub peek: bool,
 }
 
-/// Decodes a `RateLimitRequest` message (the gRPC frame's payload); every
-/// failure, strings that are not UTF-8 included, is the client's.
-pub fn decode_request(bytes: impl prost::bytes::Buf) -> Result<RateLimitRequest, String> {
-    use prost::Message;
-    RateLimitRequest::decode(bytes).map_err(|error| format!("malformed RateLimitRequest: {error}"))
+/// Reads a `RateLimitRequest` message (the gRPC frame's payload) in place;
+/// every failure, strings that are not UTF-8 included, is the client's.
+pub fn decode_request(bytes: &[u8]) -> Result<RequestView<'_>, WireError> {
+    super::wire::decode_request(bytes)
 }
 
 /// The operations of `request`, one per descriptor in order, or why there
 /// are none. Nothing is counted for a refused request.
 pub fn operations<'a>(
-    request: &'a RateLimitRequest,
+    request: &RequestView<'a>,
     limits: &EnvoyLimits,
-) -> Result<Vec<Operation<'a>>, MappingError> {
+) -> Result<SmallVec<[Operation<'a>; 2]>, MappingError> {
     if request.domain.is_empty() {
         return Err(MappingError::EmptyDomain);
     }
@@ -114,16 +116,16 @@ pub fn operations<'a>(
         });
     }
     let hits_max = limits.hits_addend_max.min(u64::from(u32::MAX));
-    let mut operations = Vec::with_capacity(count);
+    let mut operations = SmallVec::with_capacity(count);
     for (index, descriptor) in request.descriptors.iter().enumerate() {
-        let entries = descriptor.entries.len();
-        if entries == 0 {
+        let entries = request.entries(descriptor);
+        if entries.is_empty() {
             return Err(MappingError::EmptyDescriptor { index });
         }
-        if entries > limits.entries_per_descriptor_max {
+        if entries.len() > limits.entries_per_descriptor_max {
             return Err(MappingError::TooManyEntries {
                 index,
-                count: entries,
+                count: entries.len(),
                 max: limits.entries_per_descriptor_max,
             });
         }
@@ -132,8 +134,8 @@ pub fn operations<'a>(
         }
         // proto3 cannot tell the request's 0 from unset: 0 is Envoy's
         // default of 1. The descriptor's wrapper can: 0 there is a look.
-        let (hits, peek) = match &descriptor.hits_addend {
-            Some(wrapper) => (wrapper.value, wrapper.value == 0),
+        let (hits, peek) = match descriptor.hits_addend {
+            Some(value) => (value, value == 0),
             None => (u64::from(request.hits_addend.max(1)), false),
         };
         if hits > hits_max {
@@ -143,14 +145,11 @@ pub fn operations<'a>(
                 max: hits_max,
             });
         }
-        let mut pairs = Vec::with_capacity(entries + 1);
-        pairs.push((DOMAIN_KEY, request.domain.as_str()));
-        for entry in &descriptor.entries {
-            if entry.key == DOMAIN_KEY {
-                return Err(MappingError::ReservedKey { index });
-            }
-            pairs.push((entry.key.as_str(), entry.value.as_str()));
+        if entries.iter().any(|(key, _)| *key == DOMAIN_KEY) {
+            return Err(MappingError::ReservedKey { index });
         }
+        let domain = std::iter::once((DOMAIN_KEY, request.domain));
+        let pairs = domain.chain(entries.iter().copied()).collect();
         operations.push(Operation {
             pairs,
             // Bounded by `hits_max` above, itself at most `u32::MAX`.
@@ -250,6 +249,7 @@ mod tests {
     use super::*;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     use envoy_types::pb::google::protobuf::UInt64Value;
 
     fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
@@ -273,6 +273,44 @@ mod tests {
         }
     }
 
+    /// An operation with owned strings, to outlive the request's bytes.
+    #[derive(Debug, PartialEq)]
+    struct Owned {
+        pairs: Vec<(String, String)>,
+        hits: u32,
+        peek: bool,
+    }
+
+    /// `request`'s operations as the server maps them: encoded by prost,
+    /// read in place, mapped.
+    fn operations_of(
+        request: &RateLimitRequest,
+        limits: &EnvoyLimits,
+    ) -> Result<Vec<Owned>, MappingError> {
+        let bytes = prost::Message::encode_to_vec(request);
+        let view = decode_request(&bytes).unwrap();
+        let operations = operations(&view, limits)?;
+        Ok(operations
+            .iter()
+            .map(|op| Owned {
+                pairs: op
+                    .pairs
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+                hits: op.hits,
+                peek: op.peek,
+            })
+            .collect())
+    }
+
+    fn pairs(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
     #[test]
     fn each_descriptor_is_one_operation_with_the_domain_first() {
         let request = request(
@@ -282,14 +320,14 @@ mod tests {
                 descriptor(&[("user", "u")]),
             ],
         );
-        let ops = operations(&request, &EnvoyLimits::default()).unwrap();
+        let ops = operations_of(&request, &EnvoyLimits::default()).unwrap();
         assert_eq!(ops.len(), 2);
         assert_eq!(
             ops[0].pairs,
-            vec![("domain", "edge"), ("path", "/a"), ("ip", "1.2.3.4")]
+            pairs(&[("domain", "edge"), ("path", "/a"), ("ip", "1.2.3.4")])
         );
         assert_eq!((ops[0].hits, ops[0].peek), (1, false));
-        assert_eq!(ops[1].pairs, vec![("domain", "edge"), ("user", "u")]);
+        assert_eq!(ops[1].pairs, pairs(&[("domain", "edge"), ("user", "u")]));
     }
 
     #[test]
@@ -298,7 +336,7 @@ mod tests {
         request.hits_addend = 5;
         request.descriptors[1].hits_addend = Some(UInt64Value { value: 7 });
         request.descriptors[2].hits_addend = Some(UInt64Value { value: 0 });
-        let ops = operations(&request, &EnvoyLimits::default()).unwrap();
+        let ops = operations_of(&request, &EnvoyLimits::default()).unwrap();
         let hits: Vec<_> = ops.iter().map(|op| (op.hits, op.peek)).collect();
         assert_eq!(hits, vec![(5, false), (7, false), (1, true)]);
     }
@@ -324,14 +362,14 @@ mod tests {
             ),
         ];
         for (request, expected) in cases {
-            assert_eq!(operations(&request, &limits), Err(expected));
+            assert_eq!(operations_of(&request, &limits), Err(expected));
         }
         let many: Vec<(String, String)> = (0..10_000)
             .map(|i| (format!("k{i}"), "v".to_owned()))
             .collect();
         let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (&**k, &**v)).collect();
         assert_eq!(
-            operations(&request("d", vec![descriptor(&many)]), &limits),
+            operations_of(&request("d", vec![descriptor(&many)]), &limits),
             Err(MappingError::TooManyEntries {
                 index: 0,
                 count: 10_000,
@@ -341,7 +379,7 @@ mod tests {
         let mut huge = request("d", vec![ok()]);
         huge.hits_addend = u32::MAX;
         assert_eq!(
-            operations(&huge, &limits),
+            operations_of(&huge, &limits),
             Err(MappingError::TooManyHits {
                 index: 0,
                 hits: u64::from(u32::MAX),
@@ -351,7 +389,7 @@ mod tests {
         let mut negative = request("d", vec![ok()]);
         negative.descriptors[0].is_negative_hits = true;
         assert_eq!(
-            operations(&negative, &limits),
+            operations_of(&negative, &limits),
             Err(MappingError::NegativeHits { index: 0 })
         );
     }

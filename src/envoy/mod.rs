@@ -11,6 +11,7 @@
 pub mod http2;
 pub mod mapping;
 pub mod server;
+pub mod wire;
 
 pub use mapping::{EnvoyLimits, MappingError, Operation};
 pub use server::{bind, GrpcServer, GrpcServerConfig};

@@ -24,14 +24,12 @@
 //! `tollgate_grpc_requests_total` by method and status code.
 
 use super::http2::{self, Call, Http2Limits, Route};
-use super::mapping::{self, EnvoyLimits};
-use crate::engine::{Engine, OperationOutcome};
+use super::mapping::{self, EnvoyLimits, RequestView};
+use crate::engine::{Arrival, Engine, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
-use crate::protocol::Pairs;
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use bytes::{Buf, BytesMut};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::net::SocketAddr;
@@ -185,8 +183,14 @@ impl ConnectionHandler for GrpcProtocol {
                     heard = true;
                     last_heard = Instant::now();
                     let used = connection.receive(&input, &mut calls);
-                    for call in calls.drain(..) {
-                        self.answer(call, &input, &mut connection, &mut pending, &mut scratch);
+                    if !calls.is_empty() {
+                        // One clock read for the calls of a read, as for a
+                        // read batch of lines.
+                        let arrival = self.engine.arrival();
+                        for call in calls.drain(..) {
+                            let conn = &mut connection;
+                            self.answer(call, &input, arrival, conn, &mut pending, &mut scratch);
+                        }
                     }
                     input.advance(used);
                 }
@@ -233,6 +237,7 @@ impl GrpcProtocol {
         &self,
         call: Call,
         input: &[u8],
+        arrival: Arrival,
         connection: &mut http2::Connection,
         pending: &mut FuturesUnordered<PendingCall>,
         scratch: &mut Vec<u8>,
@@ -246,7 +251,7 @@ impl GrpcProtocol {
         let (method, answer) = match call.route {
             Route::Known(ROUTE_SHOULD_RATE_LIMIT) => (
                 GrpcMethod::ShouldRateLimit,
-                self.should_rate_limit_call(body, scratch),
+                self.should_rate_limit_call(body, arrival, scratch),
             ),
             Route::Known(ROUTE_HEALTH_CHECK) => (
                 GrpcMethod::Health,
@@ -298,16 +303,21 @@ impl GrpcProtocol {
     /// One `ShouldRateLimit` call: the request message decoded and every
     /// descriptor decided, in order (started together, so that a slower
     /// backend decides them concurrently).
-    fn should_rate_limit_call(&self, body: &[u8], scratch: &mut Vec<u8>) -> Answer {
+    fn should_rate_limit_call(
+        &self,
+        body: &[u8],
+        arrival: Arrival,
+        scratch: &mut Vec<u8>,
+    ) -> Answer {
         let message = match request_message(body, self.message_bytes_max) {
             Ok(message) => message,
             Err(status) => return Answer::Status(status),
         };
         let request = match mapping::decode_request(message) {
             Ok(request) => request,
-            Err(error) => return Answer::Status(Status::invalid_argument(error)),
+            Err(error) => return Answer::Status(Status::invalid_argument(error.to_string())),
         };
-        let outcomes = match self.decide(&request) {
+        let outcomes = match self.decide(&request, arrival) {
             Ok(outcomes) => outcomes,
             Err(status) => return Answer::Status(status),
         };
@@ -345,16 +355,22 @@ impl GrpcProtocol {
 
     /// Every descriptor of `request` handed to the engine, or why the
     /// request is refused whole.
-    fn decide(&self, request: &RateLimitRequest) -> Result<Vec<OperationOutcome>, Status> {
+    fn decide(
+        &self,
+        request: &RequestView<'_>,
+        arrival: Arrival,
+    ) -> Result<Vec<OperationOutcome>, Status> {
         let operations = mapping::operations(request, &self.limits)
             .map_err(|error| Status::invalid_argument(error.to_string()))?;
-        let arrival = self.engine.arrival();
         Ok(operations
             .iter()
             .map(|operation| {
-                let pairs = Pairs::from_slice(&operation.pairs);
-                self.engine
-                    .decide_operation(&pairs, operation.hits, operation.peek, arrival)
+                self.engine.decide_operation(
+                    &operation.pairs,
+                    operation.hits,
+                    operation.peek,
+                    arrival,
+                )
             })
             .collect())
     }

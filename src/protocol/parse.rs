@@ -76,15 +76,20 @@ pub struct Pairs<'a> {
     sorted: bool,
 }
 
+impl<'a> FromIterator<(&'a str, &'a str)> for Pairs<'a> {
+    /// Pairs in this order, as the parser would build them (last value wins).
+    fn from_iter<I: IntoIterator<Item = (&'a str, &'a str)>>(items: I) -> Self {
+        let mut pairs = Pairs::default();
+        pairs.items.extend(items);
+        pairs.finish();
+        pairs
+    }
+}
+
 impl<'a> Pairs<'a> {
     /// Builds pairs from a list, as the parser would (last value wins).
     pub fn from_slice(items: &[(&'a str, &'a str)]) -> Self {
-        let mut pairs = Pairs::default();
-        for &(k, v) in items {
-            pairs.items.push((k, v));
-        }
-        pairs.finish();
-        pairs
+        items.iter().copied().collect()
     }
 
     fn finish(&mut self) {

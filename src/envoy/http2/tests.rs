@@ -508,3 +508,55 @@ fn arbitrary_frames_never_panic() {
         assert!(connection.output().len() < 4 * input.len() + 1024);
     }
 }
+
+/// A block of indexed fields is decoded once while the table stays as it
+/// was, and again once a block that adds to the table has moved its indexes.
+#[test]
+fn a_repeated_indexed_block_follows_the_table() {
+    let (mut connection, mut input) = opened();
+    let literal_path = |path: &str| {
+        let mut block = vec![0x83, 0x86, 0x44, path.len() as u8];
+        block.extend_from_slice(path.as_bytes());
+        block
+    };
+    // 62: content-type, 63: :path /svc/Call.
+    let mut first = literal_path("/svc/Call");
+    first.extend_from_slice(b"\x5f\x10application/grpc");
+    let indexed = [0x83, 0x86, 0xbf, 0xbe];
+    // Then 62: :path /other, 63: content-type, 64: :path /svc/Call.
+    let mut moved = literal_path("/other");
+    moved.push(0xbf);
+    let flags = flag::END_HEADERS | flag::END_STREAM;
+    let blocks = [
+        (1, &first[..]),
+        (3, &indexed),
+        (5, &indexed),
+        (7, &moved),
+        (9, &indexed),
+    ];
+    let mut calls = Vec::new();
+    let mut routes = Vec::new();
+    for (stream_id, block) in blocks {
+        input.extend(raw_frame(frame::HEADERS, flags, stream_id, block));
+        connection.receive(&std::mem::take(&mut input), &mut calls);
+        // Answered at once, so the streams' limit (4) refuses none.
+        for call in calls.drain(..) {
+            routes.push((call.route.clone(), call.grpc));
+            connection.respond_status(call.stream_id, 0, "");
+        }
+    }
+    assert_eq!(
+        routes,
+        vec![
+            (Route::Known(0), true),
+            (Route::Known(0), true),
+            (Route::Known(0), true),
+            (Route::Unknown("/other".into()), true),
+            // 63 is content-type now, 62 the new path.
+            (Route::Unknown("/other".into()), true),
+        ]
+    );
+    assert!(only_indexed(&[0x82, 0xff, 0x80, 0x01]));
+    assert!(!only_indexed(&[0x82, 0xff, 0x80]));
+    assert!(!only_indexed(&[0x82, 0x40]));
+}
