@@ -3,14 +3,17 @@
 //! mapped to divvy operations (or refused whole), each operation is decided
 //! by a real engine on the memory backend, and the statuses and the response
 //! are built and encoded, without panicking and without an answer beyond the
-//! request's bounds.
+//! request's bounds; the response bytes the server writes by hand decode to
+//! prost's response of the same statuses.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
 use tollgate::clock::ManualClock;
 use tollgate::engine::{Engine, OperationOutcome, UnavailablePolicy};
-use tollgate::envoy::mapping::{decode_request, descriptor_status, operations, response};
+use tollgate::envoy::mapping::{
+    decode_request, descriptor_status, encode_response, operations, response,
+};
 use tollgate::envoy::EnvoyLimits;
 use tollgate::metrics::Metrics;
 use tollgate::rules::RuleSet;
@@ -73,17 +76,26 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(operations.len(), request.descriptors.len());
     let engine = engine();
     let mut statuses = Vec::new();
+    let mut answers = Vec::new();
     for operation in &operations {
         assert!(operation.hits >= 1 && u64::from(operation.hits) <= limits.hits_addend_max);
         let arrival = engine.arrival();
         let OperationOutcome::Now(answer) =
-            engine.decide_operation(&operation.pairs, operation.hits, operation.peek, arrival)
+            engine.decide_operation(&operation.pairs(), operation.hits, operation.peek, arrival)
         else {
             panic!("the memory backend decides at once");
         };
-        if let Ok(status) = descriptor_status(&answer) {
-            statuses.push(status);
-        }
+        statuses.push(descriptor_status(&answer).expect("the memory backend does not fail"));
+        answers.push(answer);
     }
-    let _ = prost::Message::encode_to_vec(&response(statuses));
+    // The bytes the server sends are prost's encoding of the statuses.
+    let mut encoded = Vec::new();
+    encode_response(&answers, &mut encoded).expect("the memory backend does not fail");
+    let expected = response(statuses);
+    assert_eq!(decode_like(&expected, &encoded[5..]), expected);
 });
+
+/// `bytes` decoded as a message of `like`'s type.
+fn decode_like<M: prost::Message + Default>(_like: &M, bytes: &[u8]) -> M {
+    M::decode(bytes).expect("the encoded response decodes")
+}

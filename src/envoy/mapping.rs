@@ -85,9 +85,20 @@ pub enum MappingError {
 /// many hits it counts, and whether it only looks (`PEEK`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Operation<'a> {
-    pub pairs: Pairs<'a>,
+    pub domain: &'a str,
+    /// The descriptor's entries, as (key, value).
+    pub entries: &'a [(&'a str, &'a str)],
     pub hits: u32,
     pub peek: bool,
+}
+
+impl<'a> Operation<'a> {
+    /// The operation's pairs, as a `HIT` line of them would have: the
+    /// domain, then the entries in order.
+    pub fn pairs(&self) -> Pairs<'a> {
+        let domain = std::iter::once((DOMAIN_KEY, self.domain));
+        domain.chain(self.entries.iter().copied()).collect()
+    }
 }
 
 /// Reads a `RateLimitRequest` message (the gRPC frame's payload) in place;
@@ -98,10 +109,10 @@ pub fn decode_request(bytes: &[u8]) -> Result<RequestView<'_>, WireError> {
 
 /// The operations of `request`, one per descriptor in order, or why there
 /// are none. Nothing is counted for a refused request.
-pub fn operations<'a>(
-    request: &RequestView<'a>,
+pub fn operations<'v, 'a: 'v>(
+    request: &'v RequestView<'a>,
     limits: &EnvoyLimits,
-) -> Result<SmallVec<[Operation<'a>; 2]>, MappingError> {
+) -> Result<SmallVec<[Operation<'v>; 2]>, MappingError> {
     if request.domain.is_empty() {
         return Err(MappingError::EmptyDomain);
     }
@@ -148,10 +159,9 @@ pub fn operations<'a>(
         if entries.iter().any(|(key, _)| *key == DOMAIN_KEY) {
             return Err(MappingError::ReservedKey { index });
         }
-        let domain = std::iter::once((DOMAIN_KEY, request.domain));
-        let pairs = domain.chain(entries.iter().copied()).collect();
         operations.push(Operation {
-            pairs,
+            domain: request.domain,
+            entries,
             // Bounded by `hits_max` above, itself at most `u32::MAX`.
             hits: u32::try_from(hits.max(1)).unwrap_or(u32::MAX),
             peek,
@@ -180,57 +190,158 @@ fn clamp_u32(value: i64) -> u32 {
     u32::try_from(value.max(0)).unwrap_or(u32::MAX)
 }
 
-fn limit(label: Option<&str>, requests: u64, unit: Unit) -> RateLimit {
-    RateLimit {
-        name: label.unwrap_or("").to_owned(),
-        requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
-        unit: unit as i32,
+/// What a descriptor's status says, taken from the decision of its
+/// operation: the one computation behind both [`descriptor_status`] (prost's
+/// message) and [`encode_response`] (the bytes the server sends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StatusFields<'a> {
+    over: bool,
+    /// The rule's label, its limit and unit.
+    limit: Option<(&'a str, u32, Unit)>,
+    remaining: u32,
+    reset_seconds: Option<i64>,
+}
+
+/// A descriptor's fields, or, for a backend failure (`ERR` on a line), its
+/// message.
+fn status_fields(answer: &OperationAnswer) -> Result<StatusFields<'_>, String> {
+    let decision: Decision = match &answer.reply {
+        Reply::Decision(decision) => *decision,
+        Reply::Error { message, .. } => return Err(message.to_string()),
+        Reply::Line(line) => return Err(format!("unexpected answer: {line}")),
+    };
+    let label = answer.label.as_deref().unwrap_or("");
+    let requests = |limit: u64| u32::try_from(limit).unwrap_or(u32::MAX);
+    let (limit, reset_seconds) = match answer.quota {
+        // Unlimited: envoyproxy/ratelimit sends no limit for these either.
+        Some(Quota::AlwaysAllow { .. }) | None => (None, None),
+        // `creditLimit = 0`: zero per whatever unit (none fits "never").
+        Some(Quota::AlwaysDeny) => (Some((label, 0, Unit::Unknown)), None),
+        // A window without an Envoy unit keeps its limit and says `UNKNOWN`
+        // rather than a rate it does not enforce.
+        Some(Quota::Limited {
+            credit_limit,
+            reset_seconds,
+        }) => (
+            Some((
+                label,
+                requests(credit_limit),
+                unit_of(reset_seconds).unwrap_or(Unit::Unknown),
+            )),
+            Some(decision.next_reset_seconds.max(0)),
+        ),
+    };
+    Ok(StatusFields {
+        over: !decision.allowed,
+        limit,
+        remaining: clamp_u32(decision.credit),
+        reset_seconds,
+    })
+}
+
+fn code_of(over: bool) -> Code {
+    if over {
+        Code::OverLimit
+    } else {
+        Code::Ok
     }
 }
 
 /// A descriptor's status from the decision of its operation, or, for a
 /// backend failure (`ERR` on a line), its message.
 pub fn descriptor_status(answer: &OperationAnswer) -> Result<DescriptorStatus, String> {
-    let decision: Decision = match &answer.reply {
-        Reply::Decision(decision) => *decision,
-        Reply::Error { message, .. } => return Err(message.to_string()),
-        Reply::Line(line) => return Err(format!("unexpected answer: {line}")),
-    };
-    let code = if decision.allowed {
-        Code::Ok
-    } else {
-        Code::OverLimit
-    };
-    let label = answer.label.as_deref();
-    let (current_limit, duration_until_reset) = match answer.quota {
-        // Unlimited: envoyproxy/ratelimit sends no limit for these either.
-        Some(Quota::AlwaysAllow { .. }) | None => (None, None),
-        // `creditLimit = 0`: zero per whatever unit (none fits "never").
-        Some(Quota::AlwaysDeny) => (Some(limit(label, 0, Unit::Unknown)), None),
-        Some(Quota::Limited {
-            credit_limit,
-            reset_seconds,
-        }) => (
-            // A window without an Envoy unit keeps its limit and says
-            // `UNKNOWN` rather than a rate it does not enforce.
-            Some(limit(
-                label,
-                credit_limit,
-                unit_of(reset_seconds).unwrap_or(Unit::Unknown),
-            )),
-            Some(Duration {
-                seconds: decision.next_reset_seconds.max(0),
-                nanos: 0,
-            }),
-        ),
-    };
+    let fields = status_fields(answer)?;
     Ok(DescriptorStatus {
-        code: code as i32,
-        current_limit,
-        limit_remaining: clamp_u32(decision.credit),
-        duration_until_reset,
+        code: code_of(fields.over) as i32,
+        current_limit: fields.limit.map(|(name, requests, unit)| RateLimit {
+            name: name.to_owned(),
+            requests_per_unit: requests,
+            unit: unit as i32,
+        }),
+        limit_remaining: fields.remaining,
+        duration_until_reset: fields
+            .reset_seconds
+            .map(|seconds| Duration { seconds, nanos: 0 }),
         quota: None,
     })
+}
+
+/// The `RateLimitResponse` for the answers of a request's descriptors, in
+/// order, written as gRPC's prefixed message into `out` (cleared first):
+/// what [`response`] of their [`descriptor_status`]es encodes to, written
+/// directly (no message structs, no allocation beyond `out`). A backend
+/// failure of any descriptor fails the call with its message.
+pub fn encode_response(answers: &[OperationAnswer], out: &mut Vec<u8>) -> Result<(), String> {
+    out.clear();
+    out.extend_from_slice(&[0; 5]);
+    // The overall code is field 1: written first, once the statuses are known.
+    out.extend_from_slice(&[0; 2]);
+    let mut over = false;
+    for answer in answers {
+        let fields = status_fields(answer)?;
+        over |= fields.over;
+        let mut status = Sink::<128>::new();
+        status.varint_field(1, code_of(fields.over) as u64);
+        if let Some((name, requests, unit)) = fields.limit {
+            let mut limit = Sink::<64>::new();
+            if !name.is_empty() {
+                limit.bytes_field(3, name.as_bytes());
+            }
+            limit.varint_field(1, u64::from(requests));
+            limit.varint_field(2, unit as u64);
+            status.bytes_field(2, &limit.0);
+        }
+        status.varint_field(3, u64::from(fields.remaining));
+        if let Some(seconds) = fields.reset_seconds {
+            let mut duration = Sink::<16>::new();
+            duration.varint_field(1, seconds as u64);
+            status.bytes_field(4, &duration.0);
+        }
+        let mut field = Sink::<16>::new();
+        field.varint(2 << 3 | 2);
+        field.varint(status.0.len() as u64);
+        out.extend_from_slice(&field.0);
+        out.extend_from_slice(&status.0);
+    }
+    out[5] = 1 << 3;
+    out[6] = code_of(over) as u8;
+    let length = u32::try_from(out.len() - 5).unwrap_or(u32::MAX);
+    out[1..5].copy_from_slice(&length.to_be_bytes());
+    Ok(())
+}
+
+/// Protobuf fields written into a buffer on the stack (spilling to the heap
+/// only past `N` bytes), as prost writes them.
+struct Sink<const N: usize>(SmallVec<[u8; N]>);
+
+impl<const N: usize> Sink<N> {
+    fn new() -> Self {
+        Sink(SmallVec::new())
+    }
+
+    fn varint(&mut self, mut value: u64) {
+        while value >= 0x80 {
+            self.0.push((value as u8) | 0x80);
+            value >>= 7;
+        }
+        self.0.push(value as u8);
+    }
+
+    /// A varint field, left out when 0 (proto3's default).
+    fn varint_field(&mut self, tag: u32, value: u64) {
+        if value != 0 {
+            self.varint(u64::from(tag << 3));
+            self.varint(value);
+        }
+    }
+
+    /// A length-delimited field (a string, or an embedded message: written
+    /// even when empty, since its presence is what it says).
+    fn bytes_field(&mut self, tag: u32, bytes: &[u8]) {
+        self.varint(u64::from(tag << 3 | 2));
+        self.varint(bytes.len() as u64);
+        self.0.extend_from_slice(bytes);
+    }
 }
 
 /// The response for every descriptor's status, in request order:
@@ -251,6 +362,7 @@ mod tests {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     use envoy_types::pb::google::protobuf::UInt64Value;
+    use proptest::prelude::*;
 
     fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
         RateLimitDescriptor {
@@ -294,9 +406,9 @@ mod tests {
             .iter()
             .map(|op| Owned {
                 pairs: op
-                    .pairs
+                    .pairs()
                     .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
                     .collect(),
                 hits: op.hits,
                 peek: op.peek,
@@ -455,6 +567,70 @@ mod tests {
             descriptor_status(&answer(Reply::error("backend timed out after 5 ms"), None)),
             Err("backend timed out after 5 ms".to_owned())
         );
+    }
+
+    fn answer_strategy() -> impl Strategy<Value = OperationAnswer> {
+        let quota = prop_oneof![
+            Just(None),
+            Just(Some(Quota::AlwaysDeny)),
+            any::<u64>().prop_map(|credit_limit| Some(Quota::AlwaysAllow { credit_limit })),
+            (
+                any::<u64>(),
+                prop_oneof![
+                    Just(0u64),
+                    Just(1),
+                    Just(60),
+                    Just(3_600),
+                    Just(86_400),
+                    any::<u64>()
+                ]
+            )
+                .prop_map(|(credit_limit, reset_seconds)| Some(Quota::Limited {
+                    credit_limit,
+                    reset_seconds,
+                })),
+        ];
+        let reply = prop_oneof![
+            8 => (any::<bool>(), any::<i64>(), any::<i64>()).prop_map(|(allowed, credit, next)| {
+                Reply::Decision(Decision {
+                    allowed,
+                    credit,
+                    next_reset_seconds: next,
+                })
+            }),
+            1 => Just(Reply::error("backend down")),
+        ];
+        (reply, quota, prop::option::of(".{0,40}")).prop_map(|(reply, quota, label)| {
+            OperationAnswer {
+                reply,
+                quota,
+                label,
+            }
+        })
+    }
+
+    proptest! {
+        /// The bytes the server writes are prost's encoding of the statuses
+        /// `descriptor_status` builds.
+        #[test]
+        fn the_encoded_response_is_the_statuses_response(
+            answers in prop::collection::vec(answer_strategy(), 0..6),
+        ) {
+            let mut out = vec![9; 3];
+            let encoded = encode_response(&answers, &mut out);
+            let statuses: Result<Vec<_>, String> = answers.iter().map(descriptor_status).collect();
+            match statuses {
+                Err(error) => prop_assert_eq!(encoded, Err(error)),
+                Ok(statuses) => {
+                    prop_assert_eq!(encoded, Ok(()));
+                    prop_assert_eq!(out[0], 0);
+                    let length = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+                    prop_assert_eq!(length, out.len() - 5);
+                    let decoded = <RateLimitResponse as prost::Message>::decode(&out[5..]).unwrap();
+                    prop_assert_eq!(decoded, response(statuses));
+                }
+            }
+        }
     }
 
     #[test]

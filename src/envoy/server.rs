@@ -25,13 +25,13 @@
 
 use super::http2::{self, Call, Http2Limits, Route};
 use super::mapping::{self, EnvoyLimits, RequestView};
-use crate::engine::{Arrival, Engine, OperationOutcome};
+use crate::engine::{Arrival, Engine, OperationAnswer, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use bytes::{Buf, BytesMut};
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::DescriptorStatus;
 use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use smallvec::SmallVec;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -325,30 +325,25 @@ impl GrpcProtocol {
             .iter()
             .all(|outcome| matches!(outcome, OperationOutcome::Now(_)))
         {
-            let mut statuses = Vec::with_capacity(outcomes.len());
-            for outcome in outcomes {
-                let OperationOutcome::Now(answer) = outcome else {
-                    unreachable!("every outcome is ready");
-                };
-                match mapping::descriptor_status(&answer) {
-                    Ok(status) => statuses.push(status),
-                    Err(error) => return Answer::Status(Status::unavailable(error)),
-                }
-            }
-            encode_message(&mapping::response(statuses), scratch);
-            return Answer::Message;
+            let answers: SmallVec<[OperationAnswer; 2]> = outcomes
+                .into_iter()
+                .filter_map(|outcome| match outcome {
+                    OperationOutcome::Now(answer) => Some(answer),
+                    OperationOutcome::Later(_) => None,
+                })
+                .collect();
+            return match mapping::encode_response(&answers, scratch) {
+                Ok(()) => Answer::Message,
+                Err(error) => Answer::Status(Status::unavailable(error)),
+            };
         }
         Answer::Later(Box::pin(async move {
-            let mut statuses: Vec<DescriptorStatus> = Vec::with_capacity(outcomes.len());
+            let mut answers = Vec::with_capacity(outcomes.len());
             for outcome in outcomes {
-                let answer = outcome.answer().await;
-                match mapping::descriptor_status(&answer) {
-                    Ok(status) => statuses.push(status),
-                    Err(error) => return Err(Status::unavailable(error)),
-                }
+                answers.push(outcome.answer().await);
             }
             let mut message = Vec::new();
-            encode_message(&mapping::response(statuses), &mut message);
+            mapping::encode_response(&answers, &mut message).map_err(Status::unavailable)?;
             Ok(message)
         }))
     }
@@ -366,7 +361,7 @@ impl GrpcProtocol {
             .iter()
             .map(|operation| {
                 self.engine.decide_operation(
-                    &operation.pairs,
+                    &operation.pairs(),
                     operation.hits,
                     operation.peek,
                     arrival,
