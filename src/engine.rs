@@ -111,6 +111,10 @@ pub struct OperationAnswer {
     pub label: Option<String>,
 }
 
+/// An operation planned in [`Engine::decide_operations`]: its counters, its
+/// plan, whether it only looks.
+type PlannedOperation<'a> = (SmallVec<[CounterOp<'a>; 2]>, Plan, bool);
+
 /// An [`OperationAnswer`] now, or one to wait for.
 pub enum OperationOutcome {
     Now(OperationAnswer),
@@ -570,15 +574,26 @@ impl Engine {
         let loaded = self.rules.load();
         let hits = if peek { 1 } else { hits.max(1) };
         let (ops, plan) = Self::plan_hits(&loaded, pairs, peek, hits);
+        self.operation_outcome(&loaded, &ops, plan, peek, arrival)
+    }
+
+    /// Decides a planned operation's `ops`; the answer follows `plan`.
+    fn operation_outcome(
+        self: &Arc<Self>,
+        loaded: &Arc<LoadedRules>,
+        ops: &[CounterOp<'_>],
+        plan: Plan,
+        peek: bool,
+        arrival: Arrival,
+    ) -> OperationOutcome {
         let decided = if ops.is_empty() {
             Decided::Ready(Decisions::new())
         } else {
-            self.backend.decide(&ops, arrival.now_ms)
+            self.backend.decide(ops, arrival.now_ms)
         };
-        drop(ops);
         match decided {
             Decided::Ready(decisions) => OperationOutcome::Now(self.answer_operation(
-                &loaded,
+                loaded,
                 &plan,
                 decisions,
                 peek,
@@ -587,7 +602,7 @@ impl Engine {
             )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
-                let loaded = arc_swap::Guard::into_inner(loaded);
+                let loaded = Arc::clone(loaded);
                 OperationOutcome::Later(Box::pin(async move {
                     let decisions = future.await;
                     engine.answer_operation(
@@ -600,6 +615,46 @@ impl Engine {
                     )
                 }))
             }
+        }
+    }
+
+    /// Decides the operations of one read (every descriptor of every call
+    /// in it) as [`Engine::decide_operation`] would one by one, in order,
+    /// appending each outcome to `outcomes`; on the memory backend every
+    /// operation is planned and its counters' places fetched into the cache
+    /// before the first is decided (as [`Engine::execute_hit_run`] does for
+    /// lines), so that their cache misses overlap.
+    pub fn decide_operations<'p>(
+        self: &Arc<Self>,
+        operations: impl ExactSizeIterator<Item = (Pairs<'p>, u32, bool)>,
+        arrival: Arrival,
+        outcomes: &mut Vec<OperationOutcome>,
+    ) {
+        if self.backend.prefetch_store().is_none() || operations.len() < 2 {
+            for (pairs, hits, peek) in operations {
+                outcomes.push(self.decide_operation(&pairs, hits, peek, arrival));
+            }
+            return;
+        }
+        let loaded = self.rules.load();
+        let mut planned: SmallVec<[PlannedOperation<'_>; 32]> =
+            SmallVec::with_capacity(operations.len());
+        let mut hashes = PrefetchHashes::new();
+        // The pairs' strings outlive the plans (they borrow the request),
+        // the pairs themselves need not.
+        for (pairs, hits, peek) in operations {
+            let hits = if peek { 1 } else { hits.max(1) };
+            let (ops, plan) = Self::plan_hits(&loaded, &pairs, peek, hits);
+            if hashes.len() + ops.len() <= PREFETCH_KEYS_MAX {
+                self.backend.counter_hashes(&ops, &mut hashes);
+            }
+            planned.push((ops, plan, peek));
+        }
+        if let Some(store) = self.backend.prefetch_store() {
+            store.prefetch_hashes(&hashes);
+        }
+        for (ops, plan, peek) in planned {
+            outcomes.push(self.operation_outcome(&loaded, &ops, plan, peek, arrival));
         }
     }
 

@@ -24,7 +24,7 @@
 //! `tollgate_grpc_requests_total` by method and status code.
 
 use super::http2::{self, Call, Http2Limits, Route};
-use super::mapping::{self, EnvoyLimits, RequestView};
+use super::mapping::{self, EnvoyLimits, Operation, RequestView};
 use crate::engine::{Arrival, Engine, OperationAnswer, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
@@ -33,6 +33,7 @@ use futures_util::future::LocalBoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use smallvec::SmallVec;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -126,14 +127,6 @@ pub type RunningGrpc = Serving;
 /// message (prefixed) or status.
 type PendingCall = LocalBoxFuture<'static, (u32, GrpcMethod, Result<Vec<u8>, Status>)>;
 
-/// How a call was answered, or that it will be.
-enum Answer {
-    /// The prefixed response message is in the scratch buffer.
-    Message,
-    Status(Status),
-    Later(LocalBoxFuture<'static, Result<Vec<u8>, Status>>),
-}
-
 impl ConnectionHandler for GrpcProtocol {
     async fn serve(self: Arc<Self>, mut stream: TcpStream, mut shutdown: watch::Receiver<bool>) {
         let _ = stream.set_nodelay(true);
@@ -142,11 +135,14 @@ impl ConnectionHandler for GrpcProtocol {
             body_bytes_max: self.message_bytes_max.saturating_add(MESSAGE_PREFIX_BYTES),
             header_block_bytes_max: HEADER_BLOCK_BYTES_MAX,
         };
-        let mut connection = http2::Connection::new(limits, ROUTES);
+        let mut conn = Conn {
+            connection: http2::Connection::new(limits, ROUTES),
+            pending: FuturesUnordered::new(),
+            scratch: Vec::new(),
+            outcomes: Vec::new(),
+        };
         let mut input = BytesMut::with_capacity(2 * READ_ROOM_BYTES);
         let mut calls: Vec<Call> = Vec::new();
-        let mut pending: FuturesUnordered<PendingCall> = FuturesUnordered::new();
-        let mut scratch = Vec::new();
         let keep_alive = Duration::from_millis(self.keep_alive_ms);
         // Nothing is written before the client speaks: a silent connection
         // is closed after `first_byte_timeout_ms` without a byte.
@@ -157,19 +153,20 @@ impl ConnectionHandler for GrpcProtocol {
         tokio::pin!(timer);
         let mut draining = false;
         if *shutdown.borrow() {
-            connection.go_away();
+            conn.connection.go_away();
             draining = true;
         }
         loop {
-            if heard && !connection.output().is_empty() {
+            if heard && !conn.connection.output().is_empty() {
                 let written =
-                    tokio::time::timeout(keep_alive, stream.write_all(connection.output())).await;
+                    tokio::time::timeout(keep_alive, stream.write_all(conn.connection.output()))
+                        .await;
                 if !matches!(written, Ok(Ok(()))) {
                     break;
                 }
-                connection.output().clear();
+                conn.connection.output().clear();
             }
-            if connection.is_finished() {
+            if conn.connection.is_finished() {
                 break;
             }
             if input.capacity() - input.len() < READ_ROOM_BYTES {
@@ -182,20 +179,18 @@ impl ConnectionHandler for GrpcProtocol {
                     }
                     heard = true;
                     last_heard = Instant::now();
-                    let used = connection.receive(&input, &mut calls);
+                    let used = conn.connection.receive(&input, &mut calls);
                     if !calls.is_empty() {
                         // One clock read for the calls of a read, as for a
                         // read batch of lines.
                         let arrival = self.engine.arrival();
-                        for call in calls.drain(..) {
-                            let conn = &mut connection;
-                            self.answer(call, &input, arrival, conn, &mut pending, &mut scratch);
-                        }
+                        self.answer_read(&calls, &input, arrival, &mut conn);
+                        calls.clear();
                     }
                     input.advance(used);
                 }
-                Some((stream_id, method, answer)) = pending.next(), if !pending.is_empty() => {
-                    self.respond(&mut connection, stream_id, method, answer);
+                Some((stream_id, method, answer)) = conn.pending.next(), if !conn.pending.is_empty() => {
+                    self.respond(&mut conn.connection, stream_id, method, answer);
                 }
                 _ = &mut timer => {
                     if !heard {
@@ -206,7 +201,7 @@ impl ConnectionHandler for GrpcProtocol {
                         if pinged {
                             break;
                         }
-                        connection.ping();
+                        conn.connection.ping();
                         pinged = true;
                         last_heard = Instant::now();
                     } else {
@@ -215,14 +210,14 @@ impl ConnectionHandler for GrpcProtocol {
                     timer.as_mut().reset(last_heard + keep_alive);
                 }
                 _ = shutdown.changed(), if !draining => {
-                    connection.go_away();
+                    conn.connection.go_away();
                     draining = true;
                 }
             }
         }
         // Calls still deciding when the connection ended (their answers cannot
         // be sent) finish rather than stop halfway.
-        while pending.next().await.is_some() {}
+        while conn.pending.next().await.is_some() {}
     }
 
     async fn refuse(self: Arc<Self>, stream: TcpStream) {
@@ -231,50 +226,111 @@ impl ConnectionHandler for GrpcProtocol {
     }
 }
 
+/// A connection's state beside its socket: the HTTP/2 connection, the calls
+/// whose backend answers later, and buffers kept from read to read.
+struct Conn {
+    connection: http2::Connection,
+    pending: FuturesUnordered<PendingCall>,
+    /// A response message being written.
+    scratch: Vec<u8>,
+    /// The outcomes of a read's descriptors.
+    outcomes: Vec<OperationOutcome>,
+}
+
 impl GrpcProtocol {
-    /// Answers one call now, or adds it to the connection's pending calls.
-    fn answer(
-        &self,
-        call: Call,
-        input: &[u8],
-        arrival: Arrival,
-        connection: &mut http2::Connection,
-        pending: &mut FuturesUnordered<PendingCall>,
-        scratch: &mut Vec<u8>,
-    ) {
-        let stream_id = call.stream_id;
-        if !call.grpc {
-            connection.respond_status(stream_id, 0, "");
-            return;
+    /// Answers the calls of one read: every `ShouldRateLimit` request read
+    /// in place and mapped, all their descriptors decided together
+    /// ([`Engine::decide_operations`]), then each call answered, now or,
+    /// when its backend answers later, once it has.
+    fn answer_read(&self, calls: &[Call], input: &[u8], arrival: Arrival, conn: &mut Conn) {
+        // Pass 1: the requests read; other calls answered at once.
+        let mut views: Vec<RequestView<'_>> = Vec::with_capacity(calls.len());
+        let mut reads: Vec<(u32, Result<usize, Status>)> = Vec::with_capacity(calls.len());
+        for call in calls {
+            let stream_id = call.stream_id;
+            let body = call.body.bytes(input);
+            match &call.route {
+                _ if !call.grpc => conn.connection.respond_status(stream_id, 0, ""),
+                Route::Known(ROUTE_SHOULD_RATE_LIMIT) => {
+                    let view = request_message(body, self.message_bytes_max).and_then(|message| {
+                        mapping::decode_request(message)
+                            .map_err(|error| Status::invalid_argument(error.to_string()))
+                    });
+                    reads.push((
+                        stream_id,
+                        view.map(|view| {
+                            views.push(view);
+                            views.len() - 1
+                        }),
+                    ));
+                }
+                Route::Known(ROUTE_HEALTH_CHECK) => {
+                    let answer = health_check(body, self.message_bytes_max);
+                    self.respond(&mut conn.connection, stream_id, GrpcMethod::Health, answer);
+                }
+                Route::Known(_) | Route::Unknown(_) => {
+                    let path = match &call.route {
+                        Route::Unknown(path) => path,
+                        Route::Known(_) => "",
+                    };
+                    let status = Status::unimplemented(format!("no such method: {path}"));
+                    let code = status.code() as u32;
+                    conn.connection
+                        .respond_status(stream_id, code, status.message());
+                }
+            }
         }
-        let body = call.body.bytes(input);
-        let (method, answer) = match call.route {
-            Route::Known(ROUTE_SHOULD_RATE_LIMIT) => (
-                GrpcMethod::ShouldRateLimit,
-                self.should_rate_limit_call(body, arrival, scratch),
-            ),
-            Route::Known(ROUTE_HEALTH_CHECK) => (
-                GrpcMethod::Health,
-                health_check(body, self.message_bytes_max, scratch),
-            ),
-            Route::Known(_) | Route::Unknown(_) => {
-                let path = match &call.route {
-                    Route::Unknown(path) => path,
-                    Route::Known(_) => "",
-                };
-                let status = Status::unimplemented(format!("no such method: {path}"));
-                connection.respond_status(stream_id, status.code() as u32, status.message());
-                return;
-            }
-        };
-        match answer {
-            Answer::Message => {
-                self.engine.metrics.grpc_response(method, 0);
-                connection.respond(stream_id, scratch);
-            }
-            Answer::Status(status) => self.respond(connection, stream_id, method, Err(status)),
-            Answer::Later(future) => {
-                pending.push(Box::pin(async move { (stream_id, method, future.await) }));
+        // Pass 2: each request's descriptors as operations, one list.
+        let mut operations: Vec<Operation<'_>> = Vec::with_capacity(reads.len());
+        let mut mapped: Vec<(u32, Result<Range<usize>, Status>)> = Vec::with_capacity(reads.len());
+        for (stream_id, read) in reads {
+            let result = read.and_then(|index| {
+                let request = mapping::operations(&views[index], &self.limits)
+                    .map_err(|error| Status::invalid_argument(error.to_string()))?;
+                let first = operations.len();
+                operations.extend(request);
+                Ok(first..operations.len())
+            });
+            mapped.push((stream_id, result));
+        }
+        // Pass 3: decided together; pass 4: answered.
+        let outcomes = &mut conn.outcomes;
+        outcomes.clear();
+        let each = operations.iter().map(|op| (op.pairs(), op.hits, op.peek));
+        self.engine.decide_operations(each, arrival, outcomes);
+        let mut outcomes = outcomes.drain(..);
+        let method = GrpcMethod::ShouldRateLimit;
+        for (stream_id, result) in mapped {
+            let range = match result {
+                Ok(range) => range,
+                Err(status) => {
+                    self.respond(&mut conn.connection, stream_id, method, Err(status));
+                    continue;
+                }
+            };
+            let call: SmallVec<[OperationOutcome; 2]> =
+                outcomes.by_ref().take(range.len()).collect();
+            match call_outcomes(call) {
+                CallOutcomes::Ready(answers) => {
+                    let encoded = mapping::encode_response(&answers, &mut conn.scratch);
+                    let answer = encoded
+                        .map(|()| &conn.scratch[..])
+                        .map_err(Status::unavailable);
+                    self.respond_borrowed(&mut conn.connection, stream_id, method, answer);
+                }
+                CallOutcomes::Waiting(call) => conn.pending.push(Box::pin(async move {
+                    let mut answers = Vec::with_capacity(call.len());
+                    for outcome in call {
+                        answers.push(outcome.answer().await);
+                    }
+                    let mut message = Vec::new();
+                    let encoded = mapping::encode_response(&answers, &mut message);
+                    (
+                        stream_id,
+                        method,
+                        encoded.map(|()| message).map_err(Status::unavailable),
+                    )
+                })),
             }
         }
     }
@@ -288,9 +344,23 @@ impl GrpcProtocol {
         answer: Result<Vec<u8>, Status>,
     ) {
         match answer {
+            Ok(message) => self.respond_borrowed(connection, stream_id, method, Ok(&message)),
+            Err(status) => self.respond_borrowed(connection, stream_id, method, Err(status)),
+        }
+    }
+
+    /// [`GrpcProtocol::respond`] with the message borrowed.
+    fn respond_borrowed(
+        &self,
+        connection: &mut http2::Connection,
+        stream_id: u32,
+        method: GrpcMethod,
+        answer: Result<&[u8], Status>,
+    ) {
+        match answer {
             Ok(message) => {
                 self.engine.metrics.grpc_response(method, 0);
-                connection.respond(stream_id, &message);
+                connection.respond(stream_id, message);
             }
             Err(status) => {
                 let code = status.code() as u32;
@@ -299,76 +369,30 @@ impl GrpcProtocol {
             }
         }
     }
+}
 
-    /// One `ShouldRateLimit` call: the request message decoded and every
-    /// descriptor decided, in order (started together, so that a slower
-    /// backend decides them concurrently).
-    fn should_rate_limit_call(
-        &self,
-        body: &[u8],
-        arrival: Arrival,
-        scratch: &mut Vec<u8>,
-    ) -> Answer {
-        let message = match request_message(body, self.message_bytes_max) {
-            Ok(message) => message,
-            Err(status) => return Answer::Status(status),
-        };
-        let request = match mapping::decode_request(message) {
-            Ok(request) => request,
-            Err(error) => return Answer::Status(Status::invalid_argument(error.to_string())),
-        };
-        let outcomes = match self.decide(&request, arrival) {
-            Ok(outcomes) => outcomes,
-            Err(status) => return Answer::Status(status),
-        };
-        if outcomes
-            .iter()
-            .all(|outcome| matches!(outcome, OperationOutcome::Now(_)))
-        {
-            let answers: SmallVec<[OperationAnswer; 2]> = outcomes
-                .into_iter()
-                .filter_map(|outcome| match outcome {
-                    OperationOutcome::Now(answer) => Some(answer),
-                    OperationOutcome::Later(_) => None,
-                })
-                .collect();
-            return match mapping::encode_response(&answers, scratch) {
-                Ok(()) => Answer::Message,
-                Err(error) => Answer::Status(Status::unavailable(error)),
-            };
-        }
-        Answer::Later(Box::pin(async move {
-            let mut answers = Vec::with_capacity(outcomes.len());
-            for outcome in outcomes {
-                answers.push(outcome.answer().await);
-            }
-            let mut message = Vec::new();
-            mapping::encode_response(&answers, &mut message).map_err(Status::unavailable)?;
-            Ok(message)
-        }))
+/// A call's descriptors: every answer ready, or some still to wait for.
+enum CallOutcomes {
+    Ready(SmallVec<[OperationAnswer; 2]>),
+    Waiting(SmallVec<[OperationOutcome; 2]>),
+}
+
+fn call_outcomes(outcomes: SmallVec<[OperationOutcome; 2]>) -> CallOutcomes {
+    if !outcomes
+        .iter()
+        .all(|outcome| matches!(outcome, OperationOutcome::Now(_)))
+    {
+        return CallOutcomes::Waiting(outcomes);
     }
-
-    /// Every descriptor of `request` handed to the engine, or why the
-    /// request is refused whole.
-    fn decide(
-        &self,
-        request: &RequestView<'_>,
-        arrival: Arrival,
-    ) -> Result<Vec<OperationOutcome>, Status> {
-        let operations = mapping::operations(request, &self.limits)
-            .map_err(|error| Status::invalid_argument(error.to_string()))?;
-        Ok(operations
-            .iter()
-            .map(|operation| {
-                self.engine.decide_operation(
-                    &operation.pairs(),
-                    operation.hits,
-                    operation.peek,
-                    arrival,
-                )
+    CallOutcomes::Ready(
+        outcomes
+            .into_iter()
+            .filter_map(|outcome| match outcome {
+                OperationOutcome::Now(answer) => Some(answer),
+                OperationOutcome::Later(_) => None,
             })
-            .collect())
-    }
+            .collect(),
+    )
 }
 
 /// `message` with its gRPC prefix (not compressed, its length), into `out`.
@@ -386,24 +410,22 @@ const RATE_LIMIT_SERVICE: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
 /// `grpc.health.v1.Health/Check`: serving for the whole server (`""`) and
 /// for the rate limit service; `NOT_FOUND` for any other service name.
-fn health_check(body: &[u8], bytes_max: usize, scratch: &mut Vec<u8>) -> Answer {
+fn health_check(body: &[u8], bytes_max: usize) -> Result<Vec<u8>, Status> {
     let request = request_message(body, bytes_max).and_then(|message| {
         <HealthCheckRequest as prost::Message>::decode(message).map_err(|error| {
             Status::invalid_argument(format!("malformed HealthCheckRequest: {error}"))
         })
     });
-    match request {
-        Ok(request) => match request.service.as_str() {
-            "" | RATE_LIMIT_SERVICE => {
-                let response = HealthCheckResponse {
-                    status: ServingStatus::Serving as i32,
-                };
-                encode_message(&response, scratch);
-                Answer::Message
-            }
-            other => Answer::Status(Status::not_found(format!("unknown service {other}"))),
-        },
-        Err(status) => Answer::Status(status),
+    match request?.service.as_str() {
+        "" | RATE_LIMIT_SERVICE => {
+            let response = HealthCheckResponse {
+                status: ServingStatus::Serving as i32,
+            };
+            let mut message = Vec::new();
+            encode_message(&response, &mut message);
+            Ok(message)
+        }
+        other => Err(Status::not_found(format!("unknown service {other}"))),
     }
 }
 
