@@ -271,7 +271,10 @@ pub fn descriptor_status(answer: &OperationAnswer) -> Result<DescriptorStatus, S
 /// what [`response`] of their [`descriptor_status`]es encodes to, written
 /// directly (no message structs, no allocation beyond `out`). A backend
 /// failure of any descriptor fails the call with its message.
-pub fn encode_response(answers: &[OperationAnswer], out: &mut Vec<u8>) -> Result<(), String> {
+pub fn encode_response<'a>(
+    answers: impl IntoIterator<Item = &'a OperationAnswer>,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
     out.clear();
     out.extend_from_slice(&[0; 5]);
     // The overall code is field 1: written first, once the statuses are known.

@@ -25,7 +25,7 @@
 
 use super::http2::{self, Call, Http2Limits, Route};
 use super::mapping::{self, EnvoyLimits, Operation, RequestView};
-use crate::engine::{Arrival, Engine, OperationAnswer, OperationOutcome};
+use crate::engine::{Arrival, Engine, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use bytes::{Buf, BytesMut};
@@ -298,8 +298,9 @@ impl GrpcProtocol {
         outcomes.clear();
         let each = operations.iter().map(|op| (op.pairs(), op.hits, op.peek));
         self.engine.decide_operations(each, arrival, outcomes);
-        let mut outcomes = outcomes.drain(..);
         let method = GrpcMethod::ShouldRateLimit;
+        // Calls whose backend answers later, with their outcomes' place.
+        let mut waiting: SmallVec<[(u32, Range<usize>); 4]> = SmallVec::new();
         for (stream_id, result) in mapped {
             let range = match result {
                 Ok(range) => range,
@@ -308,30 +309,41 @@ impl GrpcProtocol {
                     continue;
                 }
             };
-            let call: SmallVec<[OperationOutcome; 2]> =
-                outcomes.by_ref().take(range.len()).collect();
-            match call_outcomes(call) {
-                CallOutcomes::Ready(answers) => {
-                    let encoded = mapping::encode_response(&answers, &mut conn.scratch);
-                    let answer = encoded
-                        .map(|()| &conn.scratch[..])
-                        .map_err(Status::unavailable);
-                    self.respond_borrowed(&mut conn.connection, stream_id, method, answer);
-                }
-                CallOutcomes::Waiting(call) => conn.pending.push(Box::pin(async move {
-                    let mut answers = Vec::with_capacity(call.len());
-                    for outcome in call {
-                        answers.push(outcome.answer().await);
-                    }
-                    let mut message = Vec::new();
-                    let encoded = mapping::encode_response(&answers, &mut message);
-                    (
-                        stream_id,
-                        method,
-                        encoded.map(|()| message).map_err(Status::unavailable),
-                    )
-                })),
+            let outcomes = &conn.outcomes[range.clone()];
+            let ready = outcomes.iter().map_while(|outcome| match outcome {
+                OperationOutcome::Now(answer) => Some(answer),
+                OperationOutcome::Later(_) => None,
+            });
+            if ready.clone().count() < outcomes.len() {
+                waiting.push((stream_id, range));
+                continue;
             }
+            let encoded = mapping::encode_response(ready, &mut conn.scratch);
+            let answer = encoded
+                .map(|()| &conn.scratch[..])
+                .map_err(Status::unavailable);
+            self.respond_borrowed(&mut conn.connection, stream_id, method, answer);
+        }
+        if waiting.is_empty() {
+            return;
+        }
+        let mut outcomes: Vec<Option<OperationOutcome>> =
+            conn.outcomes.drain(..).map(Some).collect();
+        for (stream_id, range) in waiting {
+            let call: Vec<OperationOutcome> = outcomes[range]
+                .iter_mut()
+                .filter_map(Option::take)
+                .collect();
+            conn.pending.push(Box::pin(async move {
+                let mut answers = Vec::with_capacity(call.len());
+                for outcome in call {
+                    answers.push(outcome.answer().await);
+                }
+                let mut message = Vec::new();
+                let encoded = mapping::encode_response(&answers, &mut message);
+                let answer = encoded.map(|()| message).map_err(Status::unavailable);
+                (stream_id, method, answer)
+            }));
         }
     }
 
@@ -369,30 +381,6 @@ impl GrpcProtocol {
             }
         }
     }
-}
-
-/// A call's descriptors: every answer ready, or some still to wait for.
-enum CallOutcomes {
-    Ready(SmallVec<[OperationAnswer; 2]>),
-    Waiting(SmallVec<[OperationOutcome; 2]>),
-}
-
-fn call_outcomes(outcomes: SmallVec<[OperationOutcome; 2]>) -> CallOutcomes {
-    if !outcomes
-        .iter()
-        .all(|outcome| matches!(outcome, OperationOutcome::Now(_)))
-    {
-        return CallOutcomes::Waiting(outcomes);
-    }
-    CallOutcomes::Ready(
-        outcomes
-            .into_iter()
-            .filter_map(|outcome| match outcome {
-                OperationOutcome::Now(answer) => Some(answer),
-                OperationOutcome::Later(_) => None,
-            })
-            .collect(),
-    )
 }
 
 /// `message` with its gRPC prefix (not compressed, its length), into `out`.
