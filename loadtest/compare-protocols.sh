@@ -104,10 +104,15 @@ json.dump({"cpu_us_per_request": cpu_us, "requests_total": total}, open(f"{out}/
 EOF
 }
 
+# Fresh actors for every run, named alike for every protocol: the same
+# length of counter key (a key's length decides whether the store keeps it
+# inline in its slot), so that protocols differ only in their protocol.
+declare -A CODE=([divvy]=d [droplet]=w [envoy-rls]=e)
+
 echo "== closed loop: $CONNECTIONS connections x $PIPELINE in flight, $ROUNDS rounds of $DURATION s, alternating"
 for r in $(seq 1 "$ROUNDS"); do
     for p in $PROTOCOLS; do
-        run_one "closed-$p-$r" "$p" --pipeline "$PIPELINE" --actor-prefix "${p}r${r}a"
+        run_one "closed-$p-$r" "$p" --pipeline "$PIPELINE" --actor-prefix "${CODE[$p]}r${r}a"
     done
 done
 
@@ -121,7 +126,7 @@ print(int(statistics.median(runs) / 2))' "$OUT" "$ROUNDS")
     for r in $(seq 1 "$ROUNDS"); do
         for p in envoy-rls divvy; do
             [[ " $PROTOCOLS " == *" $p "* ]] || continue
-            run_one "open-$p-$r" "$p" --pipeline "$PIPELINE" --rate "$HALF_RATE" --actor-prefix "${p}o${r}a"
+            run_one "open-$p-$r" "$p" --pipeline "$PIPELINE" --rate "$HALF_RATE" --actor-prefix "${CODE[$p]}o${r}a"
         done
     done
 fi
