@@ -25,6 +25,7 @@
 
 use super::http2::{self, Call, Http2Limits, Route};
 use super::mapping::{self, EnvoyLimits, Operation, RequestView};
+use super::wire;
 use crate::engine::{Arrival, Engine, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
@@ -140,6 +141,8 @@ impl ConnectionHandler for GrpcProtocol {
             pending: FuturesUnordered::new(),
             scratch: Vec::new(),
             outcomes: Vec::new(),
+            reads: Vec::new(),
+            mapped: Vec::new(),
         };
         let mut input = BytesMut::with_capacity(2 * READ_ROOM_BYTES);
         let mut calls: Vec<Call> = Vec::new();
@@ -235,6 +238,12 @@ struct Conn {
     scratch: Vec<u8>,
     /// The outcomes of a read's descriptors.
     outcomes: Vec<OperationOutcome>,
+    /// A read's requests: each call's stream and its request's place, or
+    /// why it cannot be read.
+    reads: Vec<(u32, Result<usize, Status>)>,
+    /// A read's requests: each call's stream and its operations' place, or
+    /// why it cannot be decided.
+    mapped: Vec<(u32, Result<Range<usize>, Status>)>,
 }
 
 impl GrpcProtocol {
@@ -245,24 +254,25 @@ impl GrpcProtocol {
     fn answer_read(&self, calls: &[Call], input: &[u8], arrival: Arrival, conn: &mut Conn) {
         // Pass 1: the requests read; other calls answered at once.
         let mut views: Vec<RequestView<'_>> = Vec::with_capacity(calls.len());
-        let mut reads: Vec<(u32, Result<usize, Status>)> = Vec::with_capacity(calls.len());
+        let mut reads = std::mem::take(&mut conn.reads);
+        let mut mapped = std::mem::take(&mut conn.mapped);
         for call in calls {
             let stream_id = call.stream_id;
             let body = call.body.bytes(input);
             match &call.route {
                 _ if !call.grpc => conn.connection.respond_status(stream_id, 0, ""),
                 Route::Known(ROUTE_SHOULD_RATE_LIMIT) => {
-                    let view = request_message(body, self.message_bytes_max).and_then(|message| {
-                        mapping::decode_request(message)
+                    let index = views.len();
+                    views.push(RequestView::default());
+                    let view = &mut views[index];
+                    let read = request_message(body, self.message_bytes_max).and_then(|message| {
+                        wire::decode_request_into(message, view)
                             .map_err(|error| Status::invalid_argument(error.to_string()))
                     });
-                    reads.push((
-                        stream_id,
-                        view.map(|view| {
-                            views.push(view);
-                            views.len() - 1
-                        }),
-                    ));
+                    if read.is_err() {
+                        views.pop();
+                    }
+                    reads.push((stream_id, read.map(|()| index)));
                 }
                 Route::Known(ROUTE_HEALTH_CHECK) => {
                     let answer = health_check(body, self.message_bytes_max);
@@ -282,8 +292,7 @@ impl GrpcProtocol {
         }
         // Pass 2: each request's descriptors as operations, one list.
         let mut operations: Vec<Operation<'_>> = Vec::with_capacity(reads.len());
-        let mut mapped: Vec<(u32, Result<Range<usize>, Status>)> = Vec::with_capacity(reads.len());
-        for (stream_id, read) in reads {
+        for (stream_id, read) in reads.drain(..) {
             let result = read.and_then(|index| {
                 let request = mapping::operations(&views[index], &self.limits)
                     .map_err(|error| Status::invalid_argument(error.to_string()))?;
@@ -301,7 +310,7 @@ impl GrpcProtocol {
         let method = GrpcMethod::ShouldRateLimit;
         // Calls whose backend answers later, with their outcomes' place.
         let mut waiting: SmallVec<[(u32, Range<usize>); 4]> = SmallVec::new();
-        for (stream_id, result) in mapped {
+        for (stream_id, result) in mapped.drain(..) {
             let range = match result {
                 Ok(range) => range,
                 Err(status) => {
@@ -324,6 +333,9 @@ impl GrpcProtocol {
                 .map_err(Status::unavailable);
             self.respond_borrowed(&mut conn.connection, stream_id, method, answer);
         }
+        // Kept, empty, for the next read.
+        conn.reads = reads;
+        conn.mapped = mapped;
         if waiting.is_empty() {
             return;
         }

@@ -154,8 +154,22 @@ impl<'a> Reader<'a> {
 
 /// Reads a `RateLimitRequest` (gRPC's message, its prefix removed).
 pub fn decode_request(bytes: &[u8]) -> Result<RequestView<'_>, WireError> {
-    let mut reader = Reader { bytes };
     let mut request = RequestView::default();
+    decode_request_into(bytes, &mut request)?;
+    Ok(request)
+}
+
+/// [`decode_request`] into `request` (emptied first), where it is to stay:
+/// a view is a few hundred bytes, not worth moving.
+pub fn decode_request_into<'a>(
+    bytes: &'a [u8],
+    request: &mut RequestView<'a>,
+) -> Result<(), WireError> {
+    request.domain = "";
+    request.descriptors.clear();
+    request.hits_addend = 0;
+    request.entries.clear();
+    let mut reader = Reader { bytes };
     while !reader.is_empty() {
         let (tag, wire_type) = reader.key()?;
         match tag {
@@ -169,7 +183,7 @@ pub fn decode_request(bytes: &[u8]) -> Result<RequestView<'_>, WireError> {
             _ => reader.skip(tag, wire_type, 0)?,
         }
     }
-    Ok(request)
+    Ok(())
 }
 
 fn decode_descriptor<'a>(
