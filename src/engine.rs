@@ -574,7 +574,7 @@ impl Engine {
         let loaded = self.rules.load();
         let hits = if peek { 1 } else { hits.max(1) };
         let (ops, plan) = Self::plan_hits(&loaded, pairs, peek, hits);
-        self.operation_outcome(&loaded, &ops, plan, peek, arrival)
+        self.operation_outcome(&loaded, &ops, &plan, peek, arrival)
     }
 
     /// Decides a planned operation's `ops`; the answer follows `plan`.
@@ -582,7 +582,7 @@ impl Engine {
         self: &Arc<Self>,
         loaded: &Arc<LoadedRules>,
         ops: &[CounterOp<'_>],
-        plan: Plan,
+        plan: &Plan,
         peek: bool,
         arrival: Arrival,
     ) -> OperationOutcome {
@@ -594,7 +594,7 @@ impl Engine {
         match decided {
             Decided::Ready(decisions) => OperationOutcome::Now(self.answer_operation(
                 loaded,
-                &plan,
+                plan,
                 decisions,
                 peek,
                 arrival,
@@ -603,6 +603,7 @@ impl Engine {
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = Arc::clone(loaded);
+                let plan = plan.clone();
                 OperationOutcome::Later(Box::pin(async move {
                     let decisions = future.await;
                     engine.answer_operation(
@@ -653,8 +654,8 @@ impl Engine {
         if let Some(store) = self.backend.prefetch_store() {
             store.prefetch_hashes(&hashes);
         }
-        for (ops, plan, peek) in planned {
-            outcomes.push(self.operation_outcome(&loaded, &ops, plan, peek, arrival));
+        for (ops, plan, peek) in &planned {
+            outcomes.push(self.operation_outcome(&loaded, ops, plan, *peek, arrival));
         }
     }
 

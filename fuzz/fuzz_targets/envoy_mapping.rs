@@ -81,7 +81,7 @@ fuzz_target!(|data: &[u8]| {
         assert!(operation.hits >= 1 && u64::from(operation.hits) <= limits.hits_addend_max);
         let arrival = engine.arrival();
         let OperationOutcome::Now(answer) =
-            engine.decide_operation(&operation.pairs(), operation.hits, operation.peek, arrival)
+            engine.decide_operation(&operation.pairs(&request), operation.hits, operation.peek, arrival)
         else {
             panic!("the memory backend decides at once");
         };

@@ -81,24 +81,37 @@ pub enum MappingError {
     NegativeHits { index: usize },
 }
 
-/// One descriptor as a divvy operation: its pairs (the domain first), how
-/// many hits it counts, and whether it only looks (`PEEK`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One descriptor as a divvy operation: which descriptor of its request
+/// (its pairs are the domain, then the descriptor's entries), how many hits
+/// it counts, and whether it only looks (`PEEK`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Operation<'a> {
     pub domain: &'a str,
-    /// The descriptor's entries, as (key, value).
-    pub entries: &'a [(&'a str, &'a str)],
+    /// The descriptor's index in its request.
+    pub descriptor: usize,
     pub hits: u32,
     pub peek: bool,
 }
 
 impl<'a> Operation<'a> {
-    /// The operation's pairs, as a `HIT` line of them would have: the
-    /// domain, then the entries in order.
-    pub fn pairs(&self) -> Pairs<'a> {
-        let domain = std::iter::once((DOMAIN_KEY, self.domain));
-        domain.chain(self.entries.iter().copied()).collect()
+    /// The operation's entries, from its request.
+    pub fn entries<'v>(&self, request: &'v RequestView<'a>) -> &'v [(&'a str, &'a str)] {
+        request
+            .descriptors
+            .get(self.descriptor)
+            .map_or(&[], |descriptor| request.entries(descriptor))
     }
+
+    /// The operation's pairs, as a `HIT` line of them would have.
+    pub fn pairs(&self, request: &RequestView<'a>) -> Pairs<'a> {
+        pairs_of(self.domain, self.entries(request))
+    }
+}
+
+/// A descriptor's pairs: the domain, then its entries in order.
+pub fn pairs_of<'a>(domain: &'a str, entries: &[(&'a str, &'a str)]) -> Pairs<'a> {
+    let domain = std::iter::once((DOMAIN_KEY, domain));
+    domain.chain(entries.iter().copied()).collect()
 }
 
 /// Reads a `RateLimitRequest` message (the gRPC frame's payload) in place;
@@ -109,10 +122,10 @@ pub fn decode_request(bytes: &[u8]) -> Result<RequestView<'_>, WireError> {
 
 /// The operations of `request`, one per descriptor in order, or why there
 /// are none. Nothing is counted for a refused request.
-pub fn operations<'v, 'a: 'v>(
-    request: &'v RequestView<'a>,
+pub fn operations<'a>(
+    request: &RequestView<'a>,
     limits: &EnvoyLimits,
-) -> Result<SmallVec<[Operation<'v>; 2]>, MappingError> {
+) -> Result<SmallVec<[Operation<'a>; 2]>, MappingError> {
     if request.domain.is_empty() {
         return Err(MappingError::EmptyDomain);
     }
@@ -161,7 +174,7 @@ pub fn operations<'v, 'a: 'v>(
         }
         operations.push(Operation {
             domain: request.domain,
-            entries,
+            descriptor: index,
             // Bounded by `hits_max` above, itself at most `u32::MAX`.
             hits: u32::try_from(hits.max(1)).unwrap_or(u32::MAX),
             peek,
@@ -409,7 +422,7 @@ mod tests {
             .iter()
             .map(|op| Owned {
                 pairs: op
-                    .pairs()
+                    .pairs(&view)
                     .iter()
                     .map(|(k, v)| (k.to_owned(), v.to_owned()))
                     .collect(),

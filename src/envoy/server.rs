@@ -141,7 +141,6 @@ impl ConnectionHandler for GrpcProtocol {
             pending: FuturesUnordered::new(),
             scratch: Vec::new(),
             outcomes: Vec::new(),
-            reads: Vec::new(),
             mapped: Vec::new(),
         };
         let mut input = BytesMut::with_capacity(2 * READ_ROOM_BYTES);
@@ -238,23 +237,40 @@ struct Conn {
     scratch: Vec<u8>,
     /// The outcomes of a read's descriptors.
     outcomes: Vec<OperationOutcome>,
-    /// A read's requests: each call's stream and its request's place, or
-    /// why it cannot be read.
-    reads: Vec<(u32, Result<usize, Status>)>,
     /// A read's requests: each call's stream and its operations' place, or
     /// why it cannot be decided.
     mapped: Vec<(u32, Result<Range<usize>, Status>)>,
 }
 
 impl GrpcProtocol {
+    /// A `ShouldRateLimit` request's message read into `view`, and its
+    /// descriptors as operations, or why it is refused (before anything is
+    /// counted).
+    fn read_request<'a>(
+        &self,
+        body: &'a [u8],
+        view: &mut RequestView<'a>,
+    ) -> Result<SmallVec<[Operation<'a>; 2]>, Status> {
+        let message = request_message(body, self.message_bytes_max)?;
+        wire::decode_request_into(message, view)
+            .map_err(|error| Status::invalid_argument(error.to_string()))?;
+        mapping::operations(view, &self.limits)
+            .map_err(|error| Status::invalid_argument(error.to_string()))
+    }
+
     /// Answers the calls of one read: every `ShouldRateLimit` request read
     /// in place and mapped, all their descriptors decided together
     /// ([`Engine::decide_operations`]), then each call answered, now or,
     /// when its backend answers later, once it has.
     fn answer_read(&self, calls: &[Call], input: &[u8], arrival: Arrival, conn: &mut Conn) {
-        // Pass 1: the requests read; other calls answered at once.
-        let mut views: Vec<RequestView<'_>> = Vec::with_capacity(calls.len());
-        let mut reads = std::mem::take(&mut conn.reads);
+        // Pass 1: each request read in place (into one view, reused) and
+        // its descriptors listed as operations, their entries copied out of
+        // the view (they point into the read's bytes); other calls answered
+        // at once.
+        let mut view = RequestView::default();
+        let mut entries: Vec<(&str, &str)> = Vec::with_capacity(4 * calls.len());
+        // Each operation: its domain, entries, hits, and whether it looks.
+        let mut operations: Vec<(&str, Range<usize>, u32, bool)> = Vec::with_capacity(calls.len());
         let mut mapped = std::mem::take(&mut conn.mapped);
         for call in calls {
             let stream_id = call.stream_id;
@@ -262,17 +278,22 @@ impl GrpcProtocol {
             match &call.route {
                 _ if !call.grpc => conn.connection.respond_status(stream_id, 0, ""),
                 Route::Known(ROUTE_SHOULD_RATE_LIMIT) => {
-                    let index = views.len();
-                    views.push(RequestView::default());
-                    let view = &mut views[index];
-                    let read = request_message(body, self.message_bytes_max).and_then(|message| {
-                        wire::decode_request_into(message, view)
-                            .map_err(|error| Status::invalid_argument(error.to_string()))
+                    let result = self.read_request(body, &mut view).map(|listed| {
+                        let first = operations.len();
+                        for operation in listed {
+                            let start = entries.len();
+                            entries.extend_from_slice(operation.entries(&view));
+                            let place = start..entries.len();
+                            operations.push((
+                                operation.domain,
+                                place,
+                                operation.hits,
+                                operation.peek,
+                            ));
+                        }
+                        first..operations.len()
                     });
-                    if read.is_err() {
-                        views.pop();
-                    }
-                    reads.push((stream_id, read.map(|()| index)));
+                    mapped.push((stream_id, result));
                 }
                 Route::Known(ROUTE_HEALTH_CHECK) => {
                     let answer = health_check(body, self.message_bytes_max);
@@ -290,22 +311,16 @@ impl GrpcProtocol {
                 }
             }
         }
-        // Pass 2: each request's descriptors as operations, one list.
-        let mut operations: Vec<Operation<'_>> = Vec::with_capacity(reads.len());
-        for (stream_id, read) in reads.drain(..) {
-            let result = read.and_then(|index| {
-                let request = mapping::operations(&views[index], &self.limits)
-                    .map_err(|error| Status::invalid_argument(error.to_string()))?;
-                let first = operations.len();
-                operations.extend(request);
-                Ok(first..operations.len())
-            });
-            mapped.push((stream_id, result));
-        }
-        // Pass 3: decided together; pass 4: answered.
+        // Pass 2: decided together; pass 3: answered.
         let outcomes = &mut conn.outcomes;
         outcomes.clear();
-        let each = operations.iter().map(|op| (op.pairs(), op.hits, op.peek));
+        let each = operations.iter().map(|(domain, place, hits, peek)| {
+            (
+                mapping::pairs_of(domain, &entries[place.clone()]),
+                *hits,
+                *peek,
+            )
+        });
         self.engine.decide_operations(each, arrival, outcomes);
         let method = GrpcMethod::ShouldRateLimit;
         // Calls whose backend answers later, with their outcomes' place.
@@ -334,7 +349,6 @@ impl GrpcProtocol {
             self.respond_borrowed(&mut conn.connection, stream_id, method, answer);
         }
         // Kept, empty, for the next read.
-        conn.reads = reads;
         conn.mapped = mapped;
         if waiting.is_empty() {
             return;
