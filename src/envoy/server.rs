@@ -179,8 +179,12 @@ impl ConnectionHandler for GrpcProtocol {
                     if !matches!(read, Ok(read) if read > 0) {
                         break;
                     }
-                    heard = true;
                     last_heard = Instant::now();
+                    if !heard {
+                        // From now on the keep-alive watches the connection.
+                        heard = true;
+                        timer.as_mut().reset(last_heard + keep_alive);
+                    }
                     let used = conn.connection.receive(&input, &mut calls);
                     if !calls.is_empty() {
                         // One clock read for the calls of a read, as for a

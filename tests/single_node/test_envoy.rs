@@ -460,3 +460,204 @@ fn a_connection_that_sends_nothing_is_closed() {
         .unwrap();
     assert_eq!(response.overall_code, Code::Ok as i32);
 }
+
+/// A client that writes HTTP/2 frames by hand over a plain socket, to do
+/// what well-behaved clients never do.
+struct RawHttp2 {
+    socket: std::net::TcpStream,
+    encoder: loona_hpack::Encoder<'static>,
+    unread: Vec<u8>,
+}
+
+/// Frame types and flags (RFC 9113).
+const HEADERS: u8 = 0x1;
+const DATA: u8 = 0x0;
+const RST_STREAM: u8 = 0x3;
+const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
+const GOAWAY: u8 = 0x7;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const REFUSED_STREAM: u32 = 0x7;
+
+impl RawHttp2 {
+    /// Connected, the preface and an empty SETTINGS sent.
+    fn connect(addr: SocketAddr) -> RawHttp2 {
+        let socket = std::net::TcpStream::connect(addr).unwrap();
+        socket
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut client = RawHttp2 {
+            socket,
+            encoder: loona_hpack::Encoder::new(),
+            unread: Vec::new(),
+        };
+        client.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        client.frame(SETTINGS, 0, 0, &[]);
+        client
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        self.socket.write_all(bytes).unwrap();
+    }
+
+    fn frame(&mut self, kind: u8, flags: u8, stream_id: u32, payload: &[u8]) {
+        let length = (payload.len() as u32).to_be_bytes();
+        let mut frame = vec![length[1], length[2], length[3], kind, flags];
+        frame.extend_from_slice(&stream_id.to_be_bytes());
+        frame.extend_from_slice(payload);
+        self.send(&frame);
+    }
+
+    /// HEADERS of a `ShouldRateLimit` call on `stream_id`.
+    fn headers(&mut self, stream_id: u32, end_stream: bool) {
+        let block = self.encoder.encode(vec![
+            (&b":method"[..], &b"POST"[..]),
+            (b":scheme", b"http"),
+            (
+                b":path",
+                b"/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            ),
+            (b":authority", b"localhost"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]);
+        let flags = END_HEADERS | if end_stream { END_STREAM } else { 0 };
+        self.frame(HEADERS, flags, stream_id, &block);
+    }
+
+    /// The request message of `request`, gRPC-prefixed, ending the stream.
+    fn message(&mut self, stream_id: u32, request: &RateLimitRequest) {
+        let message = prost::Message::encode_to_vec(request);
+        let mut body = vec![0];
+        body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        body.extend_from_slice(&message);
+        self.frame(DATA, END_STREAM, stream_id, &body);
+    }
+
+    /// The next frame, or `None` once the server closed the connection.
+    fn next_frame(&mut self) -> Option<(u8, u8, u32, Vec<u8>)> {
+        use std::io::Read;
+        loop {
+            if self.unread.len() >= 9 {
+                let length = u32::from_be_bytes([0, self.unread[0], self.unread[1], self.unread[2]])
+                    as usize;
+                if self.unread.len() >= 9 + length {
+                    let frame: Vec<u8> = self.unread.drain(..9 + length).collect();
+                    let stream_id = u32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]);
+                    return Some((frame[3], frame[4], stream_id, frame[9..].to_vec()));
+                }
+            }
+            let mut buffer = [0u8; 16 * 1024];
+            match self.socket.read(&mut buffer) {
+                Ok(0) => return None,
+                Ok(read) => self.unread.extend_from_slice(&buffer[..read]),
+                Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => return None,
+                Err(error) => panic!("reading from the server: {error}"),
+            }
+        }
+    }
+}
+
+/// A client that opens more streams than allowed has the extra ones
+/// refused (REFUSED_STREAM) while the allowed ones are answered, and other
+/// clients are served meanwhile.
+#[test]
+fn a_stream_flood_is_refused_beyond_the_streams_allowed() {
+    let grpc = GrpcServer::start_with(GrpcConfig {
+        streams_per_connection_max: 8,
+        ..GrpcConfig::default()
+    });
+    let mut flood = RawHttp2::connect(grpc.grpc_addr);
+    // 20 streams opened, none finished: 8 are allowed.
+    let opened: Vec<u32> = (0..20).map(|i| 2 * i + 1).collect();
+    for &stream_id in &opened {
+        flood.headers(stream_id, false);
+    }
+    let mut refused = Vec::new();
+    while refused.len() < 12 {
+        let (kind, _, stream_id, payload) = flood.next_frame().expect("the server answers");
+        if kind == RST_STREAM {
+            assert_eq!(payload, REFUSED_STREAM.to_be_bytes());
+            refused.push(stream_id);
+        }
+    }
+    assert_eq!(refused, opened[8..].to_vec());
+    // Another client is served meanwhile.
+    let mut other = grpc.client();
+    let response = other
+        .call(request(vec![descriptor(&[("path", "/upload")])]))
+        .unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32);
+    // The allowed streams finish and are answered, each with its trailers.
+    let call = request(vec![descriptor(&[("path", "/open")])]);
+    for &stream_id in &opened[..8] {
+        flood.message(stream_id, &call);
+    }
+    let mut decoder = loona_hpack::Decoder::new();
+    let mut answered = Vec::new();
+    while answered.len() < 8 {
+        let (kind, flags, stream_id, payload) = flood.next_frame().expect("the server answers");
+        if kind == HEADERS {
+            let headers = decoder.decode(&payload).unwrap();
+            if flags & END_STREAM != 0 {
+                assert!(
+                    headers.contains(&(b"grpc-status".to_vec(), b"0".to_vec())),
+                    "{headers:?}"
+                );
+                answered.push(stream_id);
+            }
+        }
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, opened[..8].to_vec());
+}
+
+/// A client that stops in the middle of a frame is pinged once it has been
+/// silent for the keep-alive interval and closed when it stays silent; a
+/// client that opens and resets streams by the thousand is served after.
+#[test]
+fn half_open_connections_are_closed_and_rapid_resets_do_not_stop_the_server() {
+    let grpc = GrpcServer::start_with(GrpcConfig {
+        keep_alive_ms: 300,
+        ..GrpcConfig::default()
+    });
+    let mut silent = RawHttp2::connect(grpc.grpc_addr);
+    // Five bytes of a frame's nine-byte header, and then nothing.
+    silent.send(&[0, 0, 10, HEADERS, END_HEADERS]);
+    let started = std::time::Instant::now();
+    let mut pinged = false;
+    while let Some((kind, flags, _, _)) = silent.next_frame() {
+        pinged |= kind == PING && flags == 0;
+    }
+    assert!(pinged, "the server pings a silent client before closing");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+
+    let mut resets = RawHttp2::connect(grpc.grpc_addr);
+    for i in 0..2_000 {
+        let stream_id = 2 * i + 1;
+        resets.headers(stream_id, false);
+        resets.frame(RST_STREAM, 0, stream_id, &8u32.to_be_bytes());
+    }
+    resets.headers(4_001, false);
+    resets.message(4_001, &request(vec![descriptor(&[("path", "/open")])]));
+    let mut decoder = loona_hpack::Decoder::new();
+    loop {
+        let (kind, flags, stream_id, payload) = resets.next_frame().expect("the server answers");
+        assert_ne!(kind, GOAWAY, "{payload:?}");
+        if kind == HEADERS {
+            // Every header block is decoded, so the table stays in step.
+            let headers = decoder.decode(&payload).unwrap();
+            if stream_id == 4_001 && flags & END_STREAM != 0 {
+                assert!(headers.contains(&(b"grpc-status".to_vec(), b"0".to_vec())));
+                break;
+            }
+        }
+    }
+    let mut other = grpc.client();
+    let response = other
+        .call(request(vec![descriptor(&[("path", "/open")])]))
+        .unwrap();
+    assert_eq!(response.overall_code, Code::Ok as i32);
+}
