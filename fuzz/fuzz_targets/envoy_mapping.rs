@@ -80,9 +80,12 @@ fuzz_target!(|data: &[u8]| {
     for operation in &operations {
         assert!(operation.hits >= 1 && u64::from(operation.hits) <= limits.hits_addend_max);
         let arrival = engine.arrival();
-        let OperationOutcome::Now(answer) =
-            engine.decide_operation(&operation.pairs(&request), operation.hits, operation.peek, arrival)
-        else {
+        let OperationOutcome::Now(answer) = engine.decide_operation(
+            &operation.pairs(&request),
+            operation.hits,
+            operation.peek,
+            arrival,
+        ) else {
             panic!("the memory backend decides at once");
         };
         statuses.push(descriptor_status(&answer).expect("the memory backend does not fail"));
