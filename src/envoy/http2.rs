@@ -186,8 +186,9 @@ struct Stream {
     /// What the peer lets the server send on this stream, in bytes.
     send_window: i64,
     /// Response bytes waiting for a window: DATA payload still to send,
-    /// then the trailers' header block.
-    held: Option<HeldResponse>,
+    /// then the trailers' header block (boxed: rare, and a stream is moved
+    /// in and out of the table once per call).
+    held: Option<Box<HeldResponse>>,
 }
 
 struct HeldResponse {
@@ -905,11 +906,11 @@ impl Connection {
             self.finish_stream(stream_id);
             return;
         }
-        stream.held = Some(HeldResponse {
+        stream.held = Some(Box::new(HeldResponse {
             data: message.to_vec(),
             sent: 0,
             trailers: OK_TRAILERS.to_vec(),
-        });
+        }));
         self.write_headers(stream_id, RESPONSE_HEADERS, false);
         self.held.push_back(stream_id);
         self.flush_held();

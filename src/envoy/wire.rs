@@ -112,7 +112,13 @@ impl<'a> Reader<'a> {
     }
 
     fn string(&mut self, wire_type: u8) -> Result<&'a str, WireError> {
-        std::str::from_utf8(self.length_delimited(wire_type)?)
+        let bytes = self.length_delimited(wire_type)?;
+        if bytes.is_ascii() {
+            // SAFETY: ASCII is UTF-8. (The check is inlined; the general
+            // one, for the rest, is a call per string.)
+            return Ok(unsafe { std::str::from_utf8_unchecked(bytes) });
+        }
+        std::str::from_utf8(bytes)
             .map_err(|_| WireError("invalid string value: data is not UTF-8 encoded"))
     }
 
