@@ -67,6 +67,7 @@ pub mod wire;
 
 pub use client::ClusterClient;
 pub use config::ClusterFile;
+pub use peer_server::PEER_HANDSHAKES_MAX;
 pub use status::Topology;
 
 use crate::clock::Clock;
