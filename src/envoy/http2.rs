@@ -159,6 +159,17 @@ impl Default for Route {
     }
 }
 
+/// The path, for errors (a known route by its index: the caller holds the
+/// table).
+impl std::fmt::Display for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Route::Known(index) => write!(f, "route {index}"),
+            Route::Unknown(path) => f.write_str(path),
+        }
+    }
+}
+
 /// Longest unknown `:path` kept (to be named in an error), in bytes.
 const UNKNOWN_PATH_BYTES_MAX: usize = 256;
 
@@ -349,9 +360,10 @@ impl Connection {
         }
     }
 
-    /// The connection error, if the connection failed (for the log).
+    /// Ends the connection for `error`: GOAWAY naming it, nothing more read.
     fn fail(&mut self, error: &ConnectionError) {
         if self.phase != Phase::Failed {
+            tracing::debug!(%error, "closing an HTTP/2 connection that broke the protocol");
             self.goaway(error.code, error.reason.as_bytes());
             self.phase = Phase::Failed;
         }

@@ -232,6 +232,15 @@ impl ConnectionHandler for GrpcProtocol {
     }
 }
 
+/// A descriptor of a read, as [`mapping::Operation`] but with its entries
+/// in the read's list (the request's view is reused call to call).
+struct ReadOperation<'a> {
+    domain: &'a str,
+    entries: Range<usize>,
+    hits: u32,
+    peek: bool,
+}
+
 /// A connection's state beside its socket: the HTTP/2 connection, the calls
 /// whose backend answers later, and buffers kept from read to read.
 struct Conn {
@@ -273,8 +282,7 @@ impl GrpcProtocol {
         // at once.
         let mut view = RequestView::default();
         let mut entries: Vec<(&str, &str)> = Vec::with_capacity(4 * calls.len());
-        // Each operation: its domain, entries, hits, and whether it looks.
-        let mut operations: Vec<(&str, Range<usize>, u32, bool)> = Vec::with_capacity(calls.len());
+        let mut operations: Vec<ReadOperation<'_>> = Vec::with_capacity(calls.len());
         let mut mapped = std::mem::take(&mut conn.mapped);
         for call in calls {
             let stream_id = call.stream_id;
@@ -287,13 +295,12 @@ impl GrpcProtocol {
                         for operation in listed {
                             let start = entries.len();
                             entries.extend_from_slice(operation.entries(&view));
-                            let place = start..entries.len();
-                            operations.push((
-                                operation.domain,
-                                place,
-                                operation.hits,
-                                operation.peek,
-                            ));
+                            operations.push(ReadOperation {
+                                domain: operation.domain,
+                                entries: start..entries.len(),
+                                hits: operation.hits,
+                                peek: operation.peek,
+                            });
                         }
                         first..operations.len()
                     });
@@ -304,11 +311,7 @@ impl GrpcProtocol {
                     self.respond(&mut conn.connection, stream_id, GrpcMethod::Health, answer);
                 }
                 Route::Known(_) | Route::Unknown(_) => {
-                    let path = match &call.route {
-                        Route::Unknown(path) => path,
-                        Route::Known(_) => "",
-                    };
-                    let status = Status::unimplemented(format!("no such method: {path}"));
+                    let status = Status::unimplemented(format!("no such method: {}", call.route));
                     let code = status.code() as u32;
                     conn.connection
                         .respond_status(stream_id, code, status.message());
@@ -318,12 +321,9 @@ impl GrpcProtocol {
         // Pass 2: decided together; pass 3: answered.
         let outcomes = &mut conn.outcomes;
         outcomes.clear();
-        let each = operations.iter().map(|(domain, place, hits, peek)| {
-            (
-                mapping::pairs_of(domain, &entries[place.clone()]),
-                *hits,
-                *peek,
-            )
+        let each = operations.iter().map(|op| {
+            let pairs = mapping::pairs_of(op.domain, &entries[op.entries.clone()]);
+            (pairs, op.hits, op.peek)
         });
         self.engine.decide_operations(each, arrival, outcomes);
         let method = GrpcMethod::ShouldRateLimit;
