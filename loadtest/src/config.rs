@@ -131,7 +131,9 @@ pub struct Args {
     #[serde(skip)]
     pub mode: Option<Mode>,
 
-    /// Server address, HOST:PORT.
+    /// Server address, HOST:PORT; or several, comma-separated (a cluster's
+    /// nodes): connection `c` then goes to the `c mod n`-th, so one
+    /// generator spreads its connections evenly over them.
     #[arg(long, default_value = "127.0.0.1:8321")]
     pub target: String,
 
@@ -441,12 +443,30 @@ impl Args {
         self.check_window_secs.unwrap_or(self.reset_seconds as f64)
     }
 
-    /// Resolve `--target` to one socket address (the first the resolver gives).
+    /// The first of `--target`'s addresses (see [`Args::target_addrs`]).
     pub fn target_addr(&self) -> Result<SocketAddr> {
+        Ok(self.target_addrs()?[0])
+    }
+
+    /// Resolves each of `--target`'s comma-separated addresses to one socket
+    /// address (the first the resolver gives).
+    pub fn target_addrs(&self) -> Result<Vec<SocketAddr>> {
         self.target
-            .to_socket_addrs()
-            .with_context(|| format!("cannot resolve --target {}", self.target))?
-            .next()
-            .with_context(|| format!("--target {} resolves to no address", self.target))
+            .split(',')
+            .map(|target| {
+                let target = target.trim();
+                target
+                    .to_socket_addrs()
+                    .with_context(|| format!("cannot resolve --target {target}"))?
+                    .next()
+                    .with_context(|| format!("--target {target} resolves to no address"))
+            })
+            .collect()
+    }
+
+    /// The first of `--target`'s addresses as given (a host name for the
+    /// protocols that send one).
+    pub fn first_target(&self) -> &str {
+        self.target.split(',').next().unwrap_or_default().trim()
     }
 }

@@ -74,7 +74,8 @@ pub struct RunShared {
 /// The run's parameters, in the units the loop uses.
 #[derive(Clone, Debug)]
 pub struct Plan {
-    pub addr: SocketAddr,
+    /// `--target`'s addresses: connection `c` goes to `addrs[c % len]`.
+    pub addrs: Vec<SocketAddr>,
     /// `--leader-aware`: each connection's own target and actors.
     pub routes: Option<crate::routes::LeaderRoutes>,
     /// The target as given (the `Host` of the WebSocket upgrade).
@@ -104,11 +105,17 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The addresses connections go to, for messages.
+    fn targets(&self) -> String {
+        let addrs: Vec<String> = self.addrs.iter().map(|a| a.to_string()).collect();
+        addrs.join(",")
+    }
+
     /// Where global connection `c` connects.
     fn addr_of(&self, c: usize) -> SocketAddr {
         match &self.routes {
             Some(routes) => routes.addrs[routes.conn_route[c]],
-            None => self.addr,
+            None => self.addrs[c % self.addrs.len()],
         }
     }
 
@@ -977,7 +984,7 @@ impl<'a> ThreadLoop<'a> {
             if let Some(why) = self.ctx.fatal.take() {
                 return Err(anyhow!(
                     "cannot open a connection to {} ({} of this thread's {} are up): {why}",
-                    plan.addr,
+                    plan.targets(),
                     up(),
                     self.conns.len()
                 ));
@@ -991,7 +998,7 @@ impl<'a> ThreadLoop<'a> {
                     "only {} of {} connections to {} were established within {:.1} s{why}",
                     up(),
                     self.conns.len(),
-                    plan.addr,
+                    plan.targets(),
                     plan.connect_timeout_ns as f64 / 1e9
                 ));
             }

@@ -52,10 +52,13 @@ pub fn run(args: &Args) -> Result<Report> {
 /// stdout is a terminal).
 pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     args.validate()?;
-    let addr = args.target_addr()?;
+    let addrs = args.target_addrs()?;
     let secs = |s: f64| (s * 1e9) as u64;
     fd_limit::ensure(fd_limit::needed(args.connections, args.threads))?;
-    let script_sha = preflight(args, addr)?;
+    let mut script_sha = None;
+    for &addr in &addrs {
+        script_sha = preflight(args, addr)?;
+    }
     let mut intervals = match &args.interval_json {
         Some(path) => Some(IntervalWriter::create(path, args.warmup, args.duration)?),
         None => None,
@@ -68,9 +71,9 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         None
     };
     let plan = Plan {
-        addr,
+        addrs: addrs.clone(),
         routes,
-        host: args.target.clone(),
+        host: args.first_target().to_string(),
         protocol: args.protocol,
         resp_mode: match args.protocol {
             Protocol::RespIncr => RespMode::Incr {
@@ -91,7 +94,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         check: args.check,
         script_load: (args.protocol == Protocol::RespScript).then(script_load_command),
         headers: if args.protocol == Protocol::EnvoyRls {
-            grpc::request_headers(&args.target)
+            grpc::request_headers(args.first_target())
         } else {
             grpc::RequestHeaders::default()
         },
@@ -218,7 +221,10 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     config.template = Some(args.template().to_string());
     Ok(Report {
         config,
-        target_addr: addr.to_string(),
+        target_addr: {
+            let addrs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+            addrs.join(",")
+        },
         mode: if args.rate.is_some() {
             "open-loop"
         } else {
@@ -249,7 +255,7 @@ fn preflight(args: &Args, addr: SocketAddr) -> Result<Option<String>> {
         s.set_read_timeout(Some(timeout))?;
         s.set_write_timeout(Some(timeout))?;
         let key = handshake_key(args.seed, usize::MAX, 0);
-        s.write_all(&handshake_request(&args.target, &key))
+        s.write_all(&handshake_request(args.first_target(), &key))
             .context("sending the WebSocket upgrade")?;
         let mut buf = Vec::with_capacity(512);
         let mut chunk = [0u8; 512];

@@ -34,8 +34,8 @@ impl LeaderRoutes {
             }
             None => RuleSet::embedded_default(),
         };
-        let topology = fetch_topology(&args.target, Duration::from_secs(5))
-            .with_context(|| format!("--leader-aware: TOPOLOGY from {}", args.target))?;
+        let topology = fetch_topology(args.first_target(), Duration::from_secs(5))
+            .with_context(|| format!("--leader-aware: TOPOLOGY from {}", args.first_target()))?;
         let client = ClusterClient::with_topology(rules, topology);
         let template = args.template();
         let mut by_addr: BTreeMap<String, Vec<u32>> = BTreeMap::new();
