@@ -36,6 +36,14 @@ pub mod tag {
     pub const ACK: u8 = 4;
     /// Nothing to say: the sender is alive.
     pub const BEAT: u8 = 5;
+    /// Answers to hits the receiver forwarded, whose states the ROUND
+    /// section just before carries: `boot varint` (the receiver's
+    /// incarnation), `round varint, shard varint, count varint, (batch,
+    /// index, decision)*`. They hold once the receiver has applied that
+    /// section: the leader and the receiver then hold the states, a
+    /// majority of the shard's voters (the leader sends them only then).
+    /// Peer protocol 2.1 (`peer_protocol::ROUND_ANSWERS_MINOR`).
+    pub const ROUND_ANSWERS: u8 = 6;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -479,6 +487,27 @@ impl RoundHeader {
     }
 }
 
+/// A round-answers section's header, as read.
+pub struct RoundAnswersHeader {
+    /// The incarnation of the node the answers are for.
+    pub boot: u64,
+    pub round: u64,
+    pub shard: u32,
+    pub count: u32,
+}
+
+impl RoundAnswersHeader {
+    pub fn read(reader: &mut Reader<'_>) -> Result<RoundAnswersHeader, FrameError> {
+        Ok(RoundAnswersHeader {
+            boot: reader.varint()?,
+            round: reader.varint()?,
+            shard: reader.u32()?,
+            // A batch, an index and a decision: 3 bytes at least.
+            count: reader.count(3)?,
+        })
+    }
+}
+
 /// Appends an ack section: every round up to `upto` of the leader's
 /// incarnation `boot` was applied, except the listed sections.
 pub fn put_ack(out: &mut Vec<u8>, boot: u64, upto: u64, refused: &[(u64, u32, ApplyRefusal)]) {
@@ -536,13 +565,17 @@ impl Ack {
 /// readers the data plane uses, in the same order); returns how many
 /// sections there were. For the `data_frames` fuzz target and tests.
 pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
-    walk_keys(body, |_| true)
+    walk_keys(body, |_, _| true)
 }
 
 /// Reads a data frame's sections without acting on them, showing `visit`
 /// every counter key they carry (forwarded ops' and round states', in
-/// order) until it answers `false`; returns how many sections were read.
-pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u32, FrameError> {
+/// order, with whether it is a round state's) until it answers `false`;
+/// returns how many sections were read.
+pub fn walk_keys(
+    body: &[u8],
+    mut visit: impl FnMut(&[u8], bool) -> bool,
+) -> Result<u32, FrameError> {
     let mut reader = Reader::new(body);
     let mut sections = 0;
     while !reader.is_empty() {
@@ -550,7 +583,7 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
             tag::FORWARD => {
                 reader.varint()?;
                 for _ in 0..reader.count(4)? {
-                    if !visit(reader.op()?.key) {
+                    if !visit(reader.op()?.key, false) {
                         return Ok(sections);
                     }
                 }
@@ -563,12 +596,19 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
                     reader.decision()?;
                 }
             }
+            tag::ROUND_ANSWERS => {
+                for _ in 0..RoundAnswersHeader::read(&mut reader)?.count {
+                    reader.varint()?;
+                    reader.u32()?;
+                    reader.decision()?;
+                }
+            }
             tag::ROUND => {
                 let header = RoundHeader::read(&mut reader)?;
                 for _ in 0..header.count {
                     let key = reader.bytes()?;
                     reader.state()?;
-                    if !visit(key) {
+                    if !visit(key, true) {
                         return Ok(sections);
                     }
                 }

@@ -21,7 +21,7 @@
 
 use super::data_frames::{
     begin_counted, end_counted, put_decision, put_op, put_varint, tag, walk_keys, Ack, FrameError,
-    OpView, Reader, RoundHeader,
+    OpView, Reader, RoundAnswersHeader, RoundHeader,
 };
 use super::disk::NodeDisk;
 use super::forward::{ForwardWait, SlotBoard};
@@ -43,12 +43,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
-/// Most keys of one inbound frame whose store lines are prefetched before
-/// the frame is handled: two lines each, 128 KiB at most, well within a
-/// core's L2 (1 MiB here). Fast mode's rounds carry hundreds of states per
-/// frame: 256 left most of them unprefetched (follower merges 14.6 % of the
-/// samples with leader-aware clients, 12.5 % with 1024).
-const FRAME_PREFETCH_KEYS_MAX: usize = 1024;
+/// Most forwarded hits of one inbound frame whose store lines are
+/// prefetched before the frame is handled: two lines each, 32 KiB at most.
+/// (Round states are prefetched as their sections are applied, in
+/// `Replica::apply`.)
+const FRAME_PREFETCH_KEYS_MAX: usize = 256;
 
 /// Settings of the data path.
 #[derive(Debug, Clone)]
@@ -81,6 +80,9 @@ pub struct DataStats {
     pub frames_written: AtomicU64,
     pub bytes_written: AtomicU64,
     pub dropped_at_cap: AtomicU64,
+    /// Forwarded hits this node (as leader) answered in the frame carrying
+    /// their round (`rounds.rs`, "Answers that ride with the round").
+    pub round_answers: AtomicU64,
     /// Peer connections closed unanswered: too many handshakes in progress.
     pub handshakes_refused: AtomicU64,
 }
@@ -240,9 +242,11 @@ impl DataPlane {
             .collect()
     }
 
-    /// The link to `peer` connected.
-    pub fn peer_connected(&self, peer: NodeId) {
-        self.out(peer).connected.store(true, Ordering::Release);
+    /// The link to `peer` connected, talking peer protocol minor `minor`.
+    pub fn peer_connected(&self, peer: NodeId, minor: u8) {
+        let out = self.out(peer);
+        out.minor.store(minor, Ordering::Release);
+        out.connected.store(true, Ordering::Release);
         self.connected_peers.lock().push(peer);
         self.connect_events.notify_one();
     }
@@ -385,9 +389,17 @@ impl DataPlane {
         let mut ended = Vec::new();
         let mut decided: Vec<(usize, usize, DecidedState)> = Vec::new();
         let mut keys: Vec<u8> = Vec::new();
+        // Answers of the leader's ANSWERS sections, and those of its
+        // ROUND_ANSWERS sections whose round section was applied here (the
+        // latter taken once that section is written to the data dir).
+        let mut answered: Vec<(u64, u32, WireDecision)> = Vec::new();
+        let mut answered_with_rounds: Vec<(u64, u32, WireDecision)> = Vec::new();
+        // The round section just read, `(round, shard)`, if it was applied.
+        let mut applied: Option<(u64, u32)> = None;
         let now_ms = self.clock.now_ms();
         let result = (|| -> Result<(), FrameError> {
             while !reader.is_empty() {
+                let applied_before = applied.take();
                 match reader.u8()? {
                     tag::FORWARD => {
                         let batch = reader.varint()?;
@@ -421,37 +433,26 @@ impl DataPlane {
                         // read past, never taken.
                         let mine = reader.varint()? == self.boot;
                         let count = reader.count(3)?;
-                        // Consecutive answers of one batch fill its board
-                        // under one lock.
-                        let mut run: (u64, Vec<(u32, WireDecision)>) = (0, Vec::new());
-                        let mut forwards = self.forwards.lock();
-                        let mut flush = |run: &mut (u64, Vec<(u32, WireDecision)>)| {
-                            if run.1.is_empty() {
-                                return;
-                            }
-                            if let Some(wait) = forwards.get_mut(&run.0) {
-                                if wait.answer_many(&mut run.1) {
-                                    forwards.remove(&run.0);
-                                }
-                            }
-                            run.1.clear();
-                        };
                         for _ in 0..count {
-                            let batch = reader.varint()?;
-                            let index = reader.u32()?;
-                            let decision = reader.decision()?;
-                            if !mine {
-                                continue;
+                            let answer = (reader.varint()?, reader.u32()?, reader.decision()?);
+                            if mine {
+                                answered.push(answer);
                             }
-                            if batch != run.0 {
-                                flush(&mut run);
-                                run.0 = batch;
-                            }
-                            run.1.push((index, decision));
                         }
-                        flush(&mut run);
+                        self.take_answers(answered.drain(..));
                     }
-                    tag::ROUND => self.apply_round(from, from_boot, &mut reader)?,
+                    tag::ROUND => applied = self.apply_round(from, from_boot, &mut reader)?,
+                    tag::ROUND_ANSWERS => {
+                        let header = RoundAnswersHeader::read(&mut reader)?;
+                        let holds = header.boot == self.boot
+                            && applied_before == Some((header.round, header.shard));
+                        for _ in 0..header.count {
+                            let answer = (reader.varint()?, reader.u32()?, reader.decision()?);
+                            if holds {
+                                answered_with_rounds.push(answer);
+                            }
+                        }
+                    }
                     tag::ACK => {
                         let ack = Ack::read(&mut reader)?;
                         if ack.boot == self.boot {
@@ -466,10 +467,12 @@ impl DataPlane {
             }
             Ok(())
         })();
-        // What this frame applied is written before any ack of it leaves.
+        // What this frame applied is written before any ack of it leaves,
+        // and before the answers that hold because it was applied.
         if let Some(disk) = &self.disk {
             disk.write_pending();
         }
+        self.take_answers(answered_with_rounds);
         if !decided.is_empty() {
             self.push_states(
                 decided
@@ -491,29 +494,54 @@ impl DataPlane {
         result
     }
 
+    /// Fills the boards of forwarded batches with their answers, `(batch,
+    /// index, decision)`: consecutive answers of one batch under one lock.
+    fn take_answers(&self, answers: impl IntoIterator<Item = (u64, u32, WireDecision)>) {
+        let mut answers = answers.into_iter().peekable();
+        if answers.peek().is_none() {
+            return;
+        }
+        let mut forwards = self.forwards.lock();
+        let mut run: (u64, Vec<(u32, WireDecision)>) = (0, Vec::new());
+        let mut flush = |run: &mut (u64, Vec<(u32, WireDecision)>)| {
+            if run.1.is_empty() {
+                return;
+            }
+            if let Some(wait) = forwards.get_mut(&run.0) {
+                if wait.answer_many(&mut run.1) {
+                    forwards.remove(&run.0);
+                }
+            }
+            run.1.clear();
+        };
+        for (batch, index, decision) in answers {
+            if batch != run.0 {
+                flush(&mut run);
+                run.0 = batch;
+            }
+            run.1.push((index, decision));
+        }
+        flush(&mut run);
+    }
+
     /// Prefetches the store lines of the first [`FRAME_PREFETCH_KEYS_MAX`]
-    /// keys a frame's forwarded hits and round sections will touch, so that
-    /// their cache misses overlap instead of stalling one decision or merge
-    /// after another (docs/benchmarks.md, "Cluster data path"). Reads the
-    /// frame without acting on it; a malformed frame only ends the look-ahead
-    /// (handling it reports the error).
+    /// keys of the hits a frame forwards, so that their cache misses overlap
+    /// instead of stalling one decision after another (docs/benchmarks.md,
+    /// "Cluster data path"). Reads the frame without acting on it; a
+    /// malformed frame only ends the look-ahead (handling it reports the
+    /// error).
     fn prefetch_frame(&self, body: &[u8]) {
-        // Two passes: every key's stripe line first (an address computed
-        // from the hash alone, so no pass waits), then every key's slot,
-        // whose address is read from the stripe line fetched meanwhile.
         // On the stack: no allocation per frame, however many keys.
         let mut hashes = [0u64; FRAME_PREFETCH_KEYS_MAX];
         let mut count = 0;
-        let _ = walk_keys(body, |key| {
-            let hash = self.store.key_hash(key);
-            self.store.prefetch_stripe(hash);
-            hashes[count] = hash;
-            count += 1;
+        let _ = walk_keys(body, |key, round_state| {
+            if !round_state {
+                hashes[count] = self.store.key_hash(key);
+                count += 1;
+            }
             count < FRAME_PREFETCH_KEYS_MAX
         });
-        for &hash in &hashes[..count] {
-            self.store.prefetch_slot(hash);
-        }
+        self.store.prefetch_hashes(&hashes[..count]);
     }
 
     /// Decides a hit `from` forwarded, as the shard's leader: the answer
@@ -582,13 +610,14 @@ impl DataPlane {
         }
     }
 
-    /// Applies one round section from `from` and records its ack.
+    /// Applies one round section from `from` and records its ack; returns
+    /// its `(round, shard)` if it was applied.
     fn apply_round(
         &self,
         from: NodeId,
         from_boot: u64,
         reader: &mut Reader<'_>,
-    ) -> Result<(), FrameError> {
+    ) -> Result<Option<(u64, u32)>, FrameError> {
         let header = RoundHeader::read(reader)?;
         let mut states: SmallVec<[(&[u8], CounterState); 32]> = SmallVec::new();
         for _ in 0..header.count {
@@ -623,9 +652,10 @@ impl DataPlane {
             DataStats::add(&self.stats.states_refused, u64::from(header.count));
         }
         let out = self.out(from);
+        let applied = refused.is_none().then_some((header.round, header.shard));
         out.record_ack(from_boot, header.round, refused.map(|r| (header.shard, r)));
         out.wake.notify_one();
-        Ok(())
+        Ok(applied)
     }
 
     fn note_dropped_at_cap(&self, shard: u32, dropped: usize) {

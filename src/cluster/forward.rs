@@ -117,8 +117,8 @@ impl SlotBoard {
     }
 
     /// Answers pending slots, under one lock; wakes the connection when
-    /// the last one is in.
-    pub fn fill_many(&self, answers: impl IntoIterator<Item = (u32, WireDecision)>) {
+    /// the last one is in. Returns how many slots it answered.
+    pub fn fill_many(&self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> u32 {
         let mut inner = self.inner.lock();
         let mut filled = 0;
         for (slot, decision) in answers {
@@ -135,6 +135,7 @@ impl SlotBoard {
         if filled > 0 && self.pending.fetch_sub(filled, Ordering::AcqRel) == filled {
             self.waker.wake();
         }
+        filled
     }
 
     fn set(&self, slot: u32, answer: SlotAnswer) {
@@ -220,19 +221,18 @@ pub struct ForwardWait {
 }
 
 impl ForwardWait {
-    /// Answers op `index`; says whether every op is answered now.
     /// Answers ops of the batch (by index); says whether every op is
     /// answered now.
     pub fn answer_many(&mut self, answers: &mut Vec<(u32, WireDecision)>) -> bool {
         let slots = &self.slots;
-        let mut answered = 0;
-        self.board
-            .fill_many(answers.drain(..).filter_map(|(index, decision)| {
-                let slot = *slots.get(index as usize)?;
-                answered += 1;
-                Some((slot, decision))
-            }));
-        self.answered += answered;
+        // Only answers that filled a pending slot count: an answer may
+        // come twice (sent with its round, then again after the link
+        // broke before the leader heard that it arrived).
+        self.answered += self.board.fill_many(
+            answers
+                .drain(..)
+                .filter_map(|(index, decision)| Some((*slots.get(index as usize)?, decision))),
+        );
         self.answered as usize >= self.slots.len()
     }
 

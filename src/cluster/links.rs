@@ -239,7 +239,7 @@ async fn run_link(
         });
         if let Some(link) = link.upgrade() {
             *link.last_hello.lock() = Some(match &connected {
-                Ok((_, report)) => Ok(report.clone()),
+                Ok((_, report, _)) => Ok(report.clone()),
                 Err(error) => Err(error.to_string()),
             });
         }
@@ -253,10 +253,10 @@ async fn run_link(
                 fail_all(&mut receiver, first, &error);
                 last_failure = Some((Instant::now(), error));
             }
-            Ok((stream, _report)) => {
+            Ok((stream, _report, minor)) => {
                 last_failure = None;
                 reach.up();
-                target.data.peer_connected(target.id);
+                target.data.peer_connected(target.id, minor);
                 let why =
                     serve_connection(&target, stream, first, &mut receiver, &out, &mut reach).await;
                 tracing::debug!(peer = target.id, addr = %target.addr, "peer connection lost: {why}");
@@ -288,18 +288,19 @@ fn note_silence(reach: &mut Reachability, out: &PeerOut, connected_at: Instant) 
 }
 
 /// Connects, authenticates (both ways) and exchanges hellos; the peer
-/// refuses a mismatched hello.
+/// refuses a mismatched hello. Returns the stream, the peer's report and
+/// the peer protocol minor the two nodes talk at.
 async fn connect(
     target: NodeId,
     addr: SocketAddr,
     hello: &Hello,
     secrets: &PeerSecrets,
-) -> Result<(TcpStream, NodeReport), LinkError> {
+) -> Result<(TcpStream, NodeReport, u8), LinkError> {
     let mut stream = TcpStream::connect(addr)
         .await
         .map_err(|error| LinkError::Unreachable(target, error.to_string()))?;
     let _ = stream.set_nodelay(true);
-    auth::authenticate_client(&mut stream, secrets)
+    let minor = auth::authenticate_client(&mut stream, secrets)
         .await
         .map_err(|error| auth::link_error(target, addr, error))?;
     let mut out = Vec::new();
@@ -314,7 +315,7 @@ async fn connect(
         .await
         .map_err(|error| LinkError::Unreachable(target, error.to_string()))?;
     match response {
-        PeerResponse::Hello(report) => Ok((stream, report)),
+        PeerResponse::Hello(report) => Ok((stream, report, minor)),
         PeerResponse::Refused(why) => Err(LinkError::Refused(target, why)),
         other => Err(LinkError::Refused(
             target,

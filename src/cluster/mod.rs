@@ -302,6 +302,8 @@ pub struct ClusterSnapshot {
     pub data_dir_write_errors: Option<u64>,
     /// Peer handshakes refused for incompatible protocol versions.
     pub peer_version_refusals: u64,
+    /// Forwarded hits answered in the frame carrying their round.
+    pub round_answers: u64,
 }
 
 /// One shard's replica on this node, for the per-shard series.
@@ -476,6 +478,7 @@ impl Cluster {
                 .as_ref()
                 .map(|disk| disk.write_errors.load(Ordering::Relaxed)),
             peer_version_refusals: auth::version_refusals(),
+            round_answers: dp.stats.round_answers.load(Ordering::Relaxed),
         }
     }
 

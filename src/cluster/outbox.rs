@@ -8,7 +8,7 @@ use super::data_frames::{put_ack, tag, DATA_FRAME_ID};
 use super::wire::ApplyRefusal;
 use super::NodeId;
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::Instant;
 use tokio::sync::Notify;
 
@@ -44,6 +44,9 @@ pub struct PeerOut {
     /// Wakes the peer's link writer.
     pub wake: Notify,
     pub(super) connected: AtomicBool,
+    /// The peer protocol minor the link talks at (`peer_protocol.rs`):
+    /// sections a minor added go only to peers that negotiated it.
+    pub(super) minor: AtomicU8,
     /// Frames taken by the link so far (forwards appended after the last
     /// take have not left this node).
     taken: AtomicU64,
@@ -68,6 +71,7 @@ impl PeerOut {
             }),
             wake: Notify::new(),
             connected: AtomicBool::new(false),
+            minor: AtomicU8::new(0),
             taken: AtomicU64::new(0),
             // A peer learned of just now gets the benefit of the doubt for
             // one liveness timeout.
@@ -79,6 +83,11 @@ impl PeerOut {
 
     pub fn connected(&self) -> bool {
         self.connected.load(Ordering::Acquire)
+    }
+
+    /// Does the link talk peer protocol minor `minor` or later?
+    pub fn speaks_minor(&self, minor: u8) -> bool {
+        self.minor.load(Ordering::Acquire) >= minor
     }
 
     /// Records that the peer was heard from just now.

@@ -14,12 +14,17 @@ use std::sync::OnceLock;
 /// had to match exactly. 2.0 also brought data frames that carry droplet
 /// buckets (an op code, a decision code and a counter state of their own)
 /// and hellos that carry the committed rule set's version, which no node of
-/// major 1 can read.
+/// major 1 can read. 2.1 added [`ROUND_ANSWERS_MINOR`].
 pub const PROTOCOL: Protocol = Protocol {
     major: 2,
-    minor: 0,
+    minor: 1,
     oldest_minor: 0,
 };
+
+/// The minor from which a leader answers the hits a replica forwarded in
+/// the frame that carries their round (`data_frames::tag::ROUND_ANSWERS`)
+/// instead of in a message of its own once the round commits.
+pub const ROUND_ANSWERS_MINOR: u8 = 1;
 /// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
 /// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
 /// upgrade", says how tests use it). Not for production: the node's frames

@@ -9,10 +9,12 @@ use super::data_frames::{begin_counted, end_counted, put_decision, put_varint, t
 use super::dataplane::{DataPlane, DataStats};
 use super::forward::SlotBoard;
 use super::outbox::PeerOut;
-use super::rounds::{Ended, SectionEnd, SentSection, Waiter};
+use super::peer_protocol::ROUND_ANSWERS_MINOR;
+use super::rounds::{Ended, RoundAnswered, SectionEnd, SentSection, Waiter};
 use super::wire::WireDecision;
 use super::NodeId;
 use smallvec::SmallVec;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +32,10 @@ struct RemoteAnswers {
     at: usize,
     count: u32,
 }
+
+/// A round section's peers, each with where the answers it gets with the
+/// section lie in the round's answer bytes (empty: none).
+type PeerSends = SmallVec<[(NodeId, Range<usize>); 4]>;
 
 /// Room for a release's answers to one node when its first is added.
 const REMOTE_ANSWERS_BYTES_INITIAL: usize = 512;
@@ -167,18 +173,31 @@ impl DataPlane {
                 }
                 None => Arc::default(),
             };
-            let sent_to: SmallVec<[NodeId; 4]> = config
-                .targets
-                .iter()
-                .copied()
-                .filter(|&peer| self.existing_out(peer).is_some_and(|o| o.connected()))
-                .collect();
+            let mut waiters = std::mem::take(&mut section.waiters);
+            let mut sent_to: SmallVec<[NodeId; 4]> = SmallVec::new();
+            let mut with_round: SmallVec<[RoundAnswered; 2]> = SmallVec::new();
+            for &peer in &config.targets {
+                let Some(out) = self.existing_out(peer).filter(|o| o.connected()) else {
+                    continue;
+                };
+                sent_to.push(peer);
+                // This node and `peer` holding the states commit them: the
+                // hits `peer` forwarded are answered with the round.
+                if !waiters.is_empty()
+                    && self.strict()
+                    && out.speaks_minor(ROUND_ANSWERS_MINOR)
+                    && config.committed(self.me, &[peer])
+                {
+                    with_round.extend(RoundAnswered::take(&mut waiters, peer, out.peer_boot()));
+                }
+            }
             records.push(SentSection {
                 shard: section.shard,
                 term: section.term,
                 config,
                 sent_to,
-                waiters: std::mem::take(&mut section.waiters),
+                waiters,
+                with_round,
             });
         }
         // This node's own states are written before any replica can
@@ -195,25 +214,45 @@ impl DataPlane {
             // Record before appending: no ack can precede its round.
             let mut flight = self.in_flight.lock();
             let round = flight.next_round();
-            let sends: Vec<(u32, u64, u32, SmallVec<[NodeId; 4]>)> = records
+            // Per section, its peers, and where the answers each one gets
+            // with it (a ROUND_ANSWERS section, if any) lie in
+            // `round_answers`.
+            let mut round_answers = Vec::new();
+            let sends: Vec<PeerSends> = records
                 .iter()
-                .zip(&sections)
-                .map(|(r, s)| (r.shard, r.term, s.count, r.sent_to.clone()))
+                .map(|r| {
+                    r.sent_to
+                        .iter()
+                        .map(|&peer| {
+                            let at = round_answers.len();
+                            if let Some(answered) = r.with_round.iter().find(|a| a.peer == peer) {
+                                self.put_round_answers(
+                                    &mut round_answers,
+                                    round,
+                                    r.shard,
+                                    answered,
+                                );
+                            }
+                            (peer, at..round_answers.len())
+                        })
+                        .collect()
+                })
                 .collect();
             DataStats::add(&self.stats.round_sections, records.len() as u64);
             flight.record(Instant::now(), records, &mut ended);
             drop(flight);
-            for ((shard, term, count, sent_to), section) in sends.into_iter().zip(&sections) {
-                for peer in sent_to {
+            for (peers, section) in sends.into_iter().zip(&sections) {
+                for (peer, answers) in peers {
                     let out = self.out(peer);
                     let appended = out.append(|body| {
                         body.push(tag::ROUND);
                         put_varint(body, round);
                         put_varint(body, stamped_ms);
-                        put_varint(body, u64::from(shard));
-                        put_varint(body, term);
-                        put_varint(body, u64::from(count));
+                        put_varint(body, u64::from(section.shard));
+                        put_varint(body, section.term);
+                        put_varint(body, u64::from(section.count));
                         body.extend_from_slice(&section.bytes);
+                        body.extend_from_slice(&round_answers[answers]);
                     });
                     if appended.is_some() && !touched.iter().any(|o| o.peer == peer) {
                         touched.push(out);
@@ -228,6 +267,39 @@ impl DataPlane {
             out.wake.notify_one();
         }
         self.release(ended);
+    }
+
+    /// Appends the ROUND_ANSWERS section of `answered` (the hits its
+    /// peer forwarded, in `shard`'s section of round `round`).
+    fn put_round_answers(
+        &self,
+        out: &mut Vec<u8>,
+        round: u64,
+        shard: u32,
+        answered: &RoundAnswered,
+    ) {
+        let at = begin_counted(
+            out,
+            tag::ROUND_ANSWERS,
+            &[answered.boot, round, u64::from(shard)],
+        );
+        let mut count = 0u32;
+        for waiter in &answered.waiters {
+            if let Waiter::Remote {
+                batch,
+                index,
+                decision,
+                ..
+            } = waiter
+            {
+                put_varint(out, *batch);
+                put_varint(out, u64::from(*index));
+                put_decision(out, &SectionEnd::Committed.answer(shard, *decision));
+                count += 1;
+            }
+        }
+        end_counted(out, at, count);
+        DataStats::add(&self.stats.round_answers, u64::from(count));
     }
 
     /// The replicator: closes and sends rounds (at once in strict mode;

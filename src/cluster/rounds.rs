@@ -13,6 +13,17 @@
 //! Sections that can no longer commit (refused by a newer leader's voters,
 //! replicas unreachable) or that time out release their waiters with the
 //! reason. Nothing here does I/O or reads a clock: time is a parameter.
+//!
+//! **Answers that ride with the round.** When the leader and one replica
+//! are a majority of every voter set (three replicas: always), the hits
+//! that replica forwarded are answered in the frame that carries their
+//! round ([`RoundAnswered`]): once the replica applied the section, both
+//! hold the states, so they are committed, and the replica answers its
+//! clients without waiting for the leader's commit and a message of its
+//! own. The leader keeps those waiters until the replica's ack says how
+//! it went: applied, and they are done; refused (or the link broke, or the
+//! section timed out first), and they are answered the usual way, with
+//! the section's end.
 
 use super::data_frames::{put_bytes, put_state};
 use super::replica::ShardConfig;
@@ -43,6 +54,34 @@ pub enum Waiter {
         index: u32,
         decision: Answer,
     },
+}
+
+/// Waiters of a section answered in the frame that carried it to `peer`
+/// (the node that forwarded their hits), until `peer` acknowledges the
+/// section: applied (they are done) or refused (they are answered with
+/// the section's end instead).
+pub struct RoundAnswered {
+    pub peer: NodeId,
+    /// `peer`'s incarnation that forwarded the hits.
+    pub boot: u64,
+    pub waiters: Vec<Waiter>,
+}
+
+impl RoundAnswered {
+    /// Takes `peer`'s incarnation `boot`'s remote waiters out of
+    /// `waiters`, if there are any.
+    pub fn take(waiters: &mut Vec<Waiter>, peer: NodeId, boot: u64) -> Option<RoundAnswered> {
+        let is_theirs = |w: &Waiter| matches!(w, Waiter::Remote { peer: p, boot: b, .. } if (*p, *b) == (peer, boot));
+        if !waiters.iter().any(is_theirs) {
+            return None;
+        }
+        let taken = waiters.extract_if(.., |w| is_theirs(w)).collect();
+        Some(RoundAnswered {
+            peer,
+            boot,
+            waiters: taken,
+        })
+    }
 }
 
 /// One shard's states in the open round.
@@ -210,13 +249,26 @@ struct SectionRecord {
     refusers: SmallVec<[NodeId; 4]>,
     fenced_by: u64,
     waiters: Vec<Waiter>,
-    done: bool,
+    /// Waiters answered with the round, until their replica's verdict.
+    with_round: SmallVec<[RoundAnswered; 2]>,
+    /// How the section ended, once it did.
+    ended_as: Option<SectionEnd>,
+}
+
+impl SectionRecord {
+    fn done(&self) -> bool {
+        self.ended_as.is_some()
+    }
 }
 
 struct RoundRecord {
     sent_at: Instant,
     sections: Vec<SectionRecord>,
+    /// Sections not ended yet.
     open: usize,
+    /// Answers sent with the round whose replica has not said yet whether
+    /// it applied their section.
+    unresolved: usize,
 }
 
 /// A section as sent: the shard's commit rule and who it went to.
@@ -226,6 +278,9 @@ pub struct SentSection {
     pub config: Arc<ShardConfig>,
     pub sent_to: SmallVec<[NodeId; 4]>,
     pub waiters: Vec<Waiter>,
+    /// Waiters answered in the frames that carry the section (see the
+    /// module doc); each peer is one of `sent_to`.
+    pub with_round: SmallVec<[RoundAnswered; 2]>,
 }
 
 /// Rounds sent and not yet ended, oldest first. Round numbers are
@@ -267,6 +322,7 @@ impl InFlight {
         let mut record = RoundRecord {
             sent_at,
             open: sections.len(),
+            unresolved: sections.iter().map(|s| s.with_round.len()).sum(),
             sections: sections
                 .into_iter()
                 .map(|s| SectionRecord {
@@ -278,7 +334,8 @@ impl InFlight {
                     refusers: SmallVec::new(),
                     fenced_by: 0,
                     waiters: s.waiters,
-                    done: false,
+                    with_round: s.with_round,
+                    ended_as: None,
                 })
                 .collect(),
         };
@@ -320,7 +377,7 @@ impl InFlight {
     }
 
     fn end(section: &mut SectionRecord, end: SectionEnd, ended: &mut Vec<Ended>) {
-        section.done = true;
+        section.ended_as = Some(end.clone());
         ended.push(Ended {
             shard: section.shard,
             term: section.term,
@@ -329,8 +386,41 @@ impl InFlight {
         });
     }
 
+    /// `peer` said whether it applied `section`, whose waiters it was
+    /// answered for in the round's frame: applied, and they are done;
+    /// not, and they are answered as the section ends (now, if it ended
+    /// already). Returns whether `peer` had any.
+    fn resolve(
+        section: &mut SectionRecord,
+        peer: NodeId,
+        applied: bool,
+        ended: &mut Vec<Ended>,
+    ) -> bool {
+        let Some(at) = section.with_round.iter().position(|a| a.peer == peer) else {
+            return false;
+        };
+        let answered = section.with_round.swap_remove(at);
+        if applied {
+            return true;
+        }
+        match &section.ended_as {
+            Some(end) => ended.push(Ended {
+                shard: section.shard,
+                term: section.term,
+                end: end.clone(),
+                waiters: answered.waiters,
+            }),
+            None => section.waiters.extend(answered.waiters),
+        }
+        true
+    }
+
     fn pop_done(&mut self) {
-        while self.rounds.front().is_some_and(|r| r.open == 0) {
+        while self
+            .rounds
+            .front()
+            .is_some_and(|r| r.open == 0 && r.unresolved == 0)
+        {
             self.rounds.pop_front();
             self.first_round += 1;
         }
@@ -356,11 +446,13 @@ impl InFlight {
             else {
                 continue;
             };
-            for section in record
-                .sections
-                .iter_mut()
-                .filter(|s| s.shard == shard && !s.done)
-            {
+            for section in record.sections.iter_mut().filter(|s| s.shard == shard) {
+                if Self::resolve(section, peer, false, ended) {
+                    record.unresolved -= 1;
+                }
+                if section.done() {
+                    continue;
+                }
                 if !section.refusers.contains(&peer) {
                     section.refusers.push(peer);
                 }
@@ -382,8 +474,14 @@ impl InFlight {
                 let Some(record) = self.rounds.get_mut((round - self.first_round) as usize) else {
                     break;
                 };
-                for section in record.sections.iter_mut().filter(|s| !s.done) {
+                for section in &mut record.sections {
                     if !section.sent_to.contains(&peer) || section.refusers.contains(&peer) {
+                        continue;
+                    }
+                    if Self::resolve(section, peer, true, ended) {
+                        record.unresolved -= 1;
+                    }
+                    if section.done() {
                         continue;
                     }
                     if !section.holders.contains(&peer) {
@@ -406,8 +504,13 @@ impl InFlight {
     pub fn disconnected(&mut self, peer: NodeId, ended: &mut Vec<Ended>) {
         let me = self.me;
         for record in &mut self.rounds {
-            for section in record.sections.iter_mut().filter(|s| !s.done) {
-                if section.holders.contains(&peer) {
+            for section in &mut record.sections {
+                // Whether the answers sent with the round arrived is not
+                // known: they go again (a node ignores answers it has).
+                if Self::resolve(section, peer, false, ended) {
+                    record.unresolved -= 1;
+                }
+                if section.done() || section.holders.contains(&peer) {
                     continue;
                 }
                 section.sent_to.retain(|n| *n != peer);
@@ -429,9 +532,17 @@ impl InFlight {
             if now.saturating_duration_since(record.sent_at) < timeout {
                 break;
             }
-            for section in record.sections.iter_mut().filter(|s| !s.done) {
-                record.open -= 1;
-                Self::end(section, SectionEnd::TimedOut(ms), ended);
+            for section in &mut record.sections {
+                if !section.done() {
+                    record.open -= 1;
+                    Self::end(section, SectionEnd::TimedOut(ms), ended);
+                }
+                // Replicas silent this long: their answers go again, with
+                // the section's end (a node ignores answers it has).
+                while let Some(peer) = section.with_round.first().map(|a| a.peer) {
+                    Self::resolve(section, peer, false, ended);
+                    record.unresolved -= 1;
+                }
             }
         }
         self.pop_done();
@@ -441,7 +552,7 @@ impl InFlight {
     pub fn holds(&self, shard: u32) -> bool {
         self.rounds
             .iter()
-            .any(|r| r.sections.iter().any(|s| s.shard == shard && !s.done))
+            .any(|r| r.sections.iter().any(|s| s.shard == shard && !s.done()))
     }
 
     /// When the oldest round still open was sent.
@@ -482,7 +593,157 @@ mod tests {
                 index: shard,
                 decision: OK.into(),
             }],
+            with_round: SmallVec::new(),
         }
+    }
+
+    /// A section whose hits forwarded by node 2 (incarnation 7) were
+    /// answered in the round's frame to node 2, plus one hit of node 3.
+    fn answered_with_round(shard: u32) -> SentSection {
+        let remote = |peer, index| Waiter::Remote {
+            peer,
+            boot: 7,
+            batch: 40,
+            index,
+            decision: OK.into(),
+        };
+        let mut waiters = vec![remote(2, 0), remote(3, 1), remote(2, 2)];
+        let with_round: SmallVec<[RoundAnswered; 2]> = RoundAnswered::take(&mut waiters, 2, 7)
+            .into_iter()
+            .collect();
+        assert_eq!(with_round[0].waiters.len(), 2);
+        assert!(RoundAnswered::take(&mut waiters, 2, 7).is_none());
+        assert!(
+            RoundAnswered::take(&mut waiters, 3, 6).is_none(),
+            "another incarnation's"
+        );
+        SentSection {
+            waiters,
+            with_round,
+            ..section(shard, &[1, 2, 3], &[2, 3])
+        }
+    }
+
+    /// `(shard, end, forwarding peers of the waiters)` of what ended.
+    fn ends_with_peers(ended: &[Ended]) -> Vec<(u32, SectionEnd, Vec<NodeId>)> {
+        ended
+            .iter()
+            .map(|e| {
+                let peers = e
+                    .waiters
+                    .iter()
+                    .map(|w| match w {
+                        Waiter::Remote { peer, .. } => *peer,
+                        Waiter::Local { .. } => 0,
+                    })
+                    .collect();
+                (e.shard, e.end.clone(), peers)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn answers_sent_with_the_round_are_done_once_their_replica_applied_it() {
+        let mut flight = InFlight::new(1);
+        let mut ended = Vec::new();
+        flight.record(Instant::now(), vec![answered_with_round(0)], &mut ended);
+        // Node 2 applied it: committed (1 and 2 of 1, 2, 3); only node 3's
+        // waiter is answered by the leader.
+        flight.ack(2, 1, &[], &mut ended);
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![3])]
+        );
+        assert!(flight.is_empty());
+    }
+
+    #[test]
+    fn answers_sent_with_a_round_their_replica_refused_are_answered_with_the_end() {
+        // Refused before the section ended: they join its end.
+        let mut flight = InFlight::new(1);
+        let mut ended = Vec::new();
+        flight.record(Instant::now(), vec![answered_with_round(0)], &mut ended);
+        flight.ack(
+            2,
+            1,
+            &[(1, 0, ApplyRefusal::Fenced { term: 6 })],
+            &mut ended,
+        );
+        assert!(ended.is_empty(), "node 3 may still hold it");
+        flight.ack(3, 1, &[], &mut ended);
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![3, 2, 2])]
+        );
+        assert!(flight.is_empty());
+
+        // Refused after it committed through node 3: answered at once.
+        let mut flight = InFlight::new(1);
+        ended.clear();
+        flight.record(Instant::now(), vec![answered_with_round(0)], &mut ended);
+        flight.ack(3, 1, &[], &mut ended);
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![3])]
+        );
+        assert!(!flight.is_empty(), "kept until node 2 says how it went");
+        assert!(!flight.holds(0), "but no longer waiting for a commit");
+        ended.clear();
+        flight.ack(2, 1, &[(1, 0, ApplyRefusal::NotReplica)], &mut ended);
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![2, 2])]
+        );
+        assert!(flight.is_empty());
+    }
+
+    #[test]
+    fn answers_sent_with_a_round_go_again_when_the_link_breaks_or_it_times_out() {
+        let mut flight = InFlight::new(1);
+        let mut ended = Vec::new();
+        let start = Instant::now();
+        flight.record(start, vec![answered_with_round(0)], &mut ended);
+        flight.record(start, vec![answered_with_round(1)], &mut ended);
+        // Round 1 committed through node 3; node 2's link broke before its
+        // ack: whether its answers arrived is unknown, so they go again.
+        flight.ack(3, 1, &[], &mut ended);
+        ended.clear();
+        flight.disconnected(2, &mut ended);
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![2, 2])]
+        );
+        // Round 2's answers to node 2 went back to waiting with the rest
+        // (the link broke), and it times out: every waiter gets that.
+        ended.clear();
+        flight.expire(
+            start + Duration::from_millis(150),
+            Duration::from_millis(100),
+            &mut ended,
+        );
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(1, SectionEnd::TimedOut(100), vec![3, 2, 2])]
+        );
+        assert!(flight.is_empty());
+
+        // A replica silent past the timeout: its answers go again with the
+        // section's end.
+        let mut flight = InFlight::new(1);
+        ended.clear();
+        flight.record(start, vec![answered_with_round(0)], &mut ended);
+        flight.ack(3, 1, &[], &mut ended);
+        ended.clear();
+        flight.expire(
+            start + Duration::from_millis(150),
+            Duration::from_millis(100),
+            &mut ended,
+        );
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![2, 2])]
+        );
+        assert!(flight.is_empty());
     }
 
     fn ends(ended: &[Ended]) -> Vec<(u32, SectionEnd)> {

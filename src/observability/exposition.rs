@@ -312,6 +312,12 @@ cluster_family!(
     "Peer handshakes refused, by this node or by the peer it dialed, because their peer protocol versions are incompatible."
 );
 cluster_family!(
+    CLUSTER_ROUND_ANSWERS,
+    "tollgate_cluster_round_answers_total",
+    MetricType::COUNTER,
+    "Forwarded hits this node, as their shard's leader, answered in the frame carrying their round to the replica that forwarded them (strict mode; that replica answers once it applied the round)."
+);
+cluster_family!(
     CLUSTER_DATA_DIR_WRITE_ERRORS,
     "tollgate_cluster_data_dir_write_errors_total",
     MetricType::COUNTER,
@@ -546,6 +552,10 @@ impl Collector for ServerCollector {
             out.push(plain_counter(
                 &CLUSTER_VERSION_REFUSALS,
                 snapshot.peer_version_refusals,
+            ));
+            out.push(plain_counter(
+                &CLUSTER_ROUND_ANSWERS,
+                snapshot.round_answers,
             ));
             if let Some(errors) = snapshot.data_dir_write_errors {
                 out.push(plain_counter(&CLUSTER_DATA_DIR_WRITE_ERRORS, errors));

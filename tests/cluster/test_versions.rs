@@ -1,13 +1,16 @@
 //! The peer protocol's version window, with real processes: a rolling
-//! upgrade to the next minor version (each node restarted in turn
-//! advertising it, with the test-only `TOLLGATE_TEST_PEER_PROTOCOL`) keeps
-//! the cluster serving with its counters, and a node of another major is
-//! refused on both sides: it exits naming both versions, the nodes it
-//! dialed log the refusal and count it (and their data dirs count no
-//! write error).
+//! upgrade from the previous minor version to this build's (each node
+//! restarted in turn, advertising the previous one with the test-only
+//! `TOLLGATE_TEST_PEER_PROTOCOL`, then its own) keeps the cluster serving
+//! with its counters, and what the newer minor added (answers that ride
+//! with their round) is sent only once both ends speak it; a node of
+//! another major is refused on both sides: it exits naming both versions,
+//! the nodes it dialed log the refusal and count it (and their data dirs
+//! count no write error).
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
+use tollgate::cluster::auth::PROTOCOL;
 
 const ENV: &str = "TOLLGATE_TEST_PEER_PROTOCOL";
 
@@ -31,29 +34,82 @@ fn hit(cluster: &TestCluster, via: u64, user: &str) -> i64 {
     credit
 }
 
+/// Forwarded hits the cluster's leaders answered with their round, all
+/// nodes together (each counts from its start).
+fn round_answers(cluster: &TestCluster) -> f64 {
+    [1, 2, 3]
+        .iter()
+        .map(|&id| {
+            metric(
+                cluster.metrics_addr(id),
+                "tollgate_cluster_round_answers_total",
+            )
+            .unwrap_or_else(|| panic!("node {id} has no round-answers series"))
+        })
+        .sum()
+}
+
+/// One hit of fresh actors through every node (some forwarded to their
+/// shard's leader, which answers them with their round from 2.1 on).
+fn hit_fresh_actors(cluster: &TestCluster, round: &str) {
+    for via in [1, 2, 3] {
+        for actor in 0..8 {
+            assert_eq!(
+                hit(cluster, via, &format!("{round}-{via}-{actor}")),
+                999,
+                "node {via}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refused() {
     let mut cluster = TestCluster::start_observed(3, 4, &[], false);
     let mut credit = hit(&cluster, 1, "rolling");
-    // One node at a time, as docs/cluster.md's rolling upgrade says: each
-    // restarted node of version 2.1 joins the others (2.0, then a mix).
-    for id in [3, 2, 1] {
+    let own = PROTOCOL.to_string();
+    let previous = format!("{}.{}", PROTOCOL.major, PROTOCOL.minor - 1);
+    // One node at a time, as docs/cluster.md's rolling upgrade says: first
+    // every node goes back to the previous minor, then each is upgraded to
+    // this build's; the counter goes on through every node at each step.
+    for (step, id) in [3, 2, 1, 3, 2, 1].into_iter().enumerate() {
+        let version = if step < 3 { &previous } else { &own };
         cluster.stop(id, Duration::from_secs(10));
-        advertise(&mut cluster, id, "2.1");
+        if step < 3 {
+            advertise(&mut cluster, id, version);
+        } else {
+            cluster.env.remove(&id);
+        }
         cluster.spawn(id, None);
         cluster.wait_healthy(Duration::from_secs(30));
-        assert!(
-            cluster.log(id).contains("advertising peer protocol 2.1"),
-            "node {id}: {}",
+        assert_eq!(
+            cluster.log(id).contains(&format!(
+                "advertising peer protocol {previous} instead of {own}"
+            )),
+            step < 3,
+            "node {id} at step {step}: {}",
             cluster.log(id)
         );
-        // The counter went on from where it was, through every node.
         for via in [1, 2, 3] {
             let now = hit(&cluster, via, "rolling");
-            assert_eq!(now, credit - 1, "node {via} after upgrading node {id}");
+            assert_eq!(
+                now,
+                credit - 1,
+                "node {via} after restarting node {id} as {version}"
+            );
             credit = now;
         }
+        if step == 2 {
+            // Every node speaks the previous minor: no leader answers a
+            // hit with its round (an older node could not read it).
+            hit_fresh_actors(&cluster, "previous");
+            assert_eq!(round_answers(&cluster), 0.0);
+        }
     }
+    // Every node speaks this build's minor: forwarded hits are answered
+    // with their round.
+    hit_fresh_actors(&cluster, "own");
+    assert!(round_answers(&cluster) > 0.0);
 
     // Node 3 of major 3 cannot join: it exits naming both versions.
     cluster.kill(3);
@@ -66,7 +122,9 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
     let log = cluster.log(3);
     assert!(
         log.contains("no peer accepted this node")
-            && log.contains("incompatible peer protocol: the peer speaks 2.1")
+            && log.contains(&format!(
+                "incompatible peer protocol: the peer speaks {own}"
+            ))
             && log.contains("this node 3.0"),
         "{log}"
     );
@@ -75,9 +133,9 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
     for id in [1, 2] {
         let refused = |log: &str| {
             log.contains("refused a peer connection from 127.0.0.1:")
-                && log.contains(
-                    "incompatible peer protocol: the peer speaks major version 3, this node 2.1",
-                )
+                && log.contains(&format!(
+                    "incompatible peer protocol: the peer speaks major version 3, this node {own}"
+                ))
         };
         let deadline = Instant::now() + Duration::from_secs(5);
         while !refused(&cluster.log(id)) && Instant::now() < deadline {
@@ -101,7 +159,7 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
         );
     }
     // Back on a compatible version, it rejoins with the counters.
-    advertise(&mut cluster, 3, "2.1");
+    cluster.env.remove(&3);
     cluster.spawn(3, None);
     cluster.wait_healthy(Duration::from_secs(30));
     assert_eq!(hit(&cluster, 3, "rolling"), credit - 1);

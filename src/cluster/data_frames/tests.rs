@@ -136,6 +136,11 @@ fn sections_roundtrip() {
         put_varint(&mut out, i as u64);
         put_decision(&mut out, decision);
     }
+    let at = begin_counted(&mut out, tag::ROUND_ANSWERS, &[99, 9, 63]);
+    put_varint(&mut out, 6);
+    put_varint(&mut out, 2);
+    put_decision(&mut out, &decisions[0]);
+    end_counted(&mut out, at, 1);
     put_ack(
         &mut out,
         7,
@@ -176,6 +181,15 @@ fn sections_roundtrip() {
         assert_eq!(reader.varint().unwrap(), i as u64);
         assert_eq!(&reader.decision().unwrap(), decision);
     }
+    assert_eq!(reader.u8().unwrap(), tag::ROUND_ANSWERS);
+    let header = RoundAnswersHeader::read(&mut reader).unwrap();
+    assert_eq!(
+        (header.boot, header.round, header.shard, header.count),
+        (99, 9, 63, 1)
+    );
+    assert_eq!(reader.varint().unwrap(), 6);
+    assert_eq!(reader.varint().unwrap(), 2);
+    assert_eq!(&reader.decision().unwrap(), &decisions[0]);
     assert_eq!(reader.u8().unwrap(), tag::ACK);
     let ack = Ack::read(&mut reader).unwrap();
     assert_eq!((ack.boot, ack.upto), (7, 41));
@@ -187,6 +201,18 @@ fn sections_roundtrip() {
         ]
     );
     assert!(reader.is_empty());
+
+    // The walk sees every section, and each key with where it comes from.
+    let mut keys = Vec::new();
+    let sections = walk_keys(&out, |key, round_state| {
+        keys.push((key.to_vec(), round_state));
+        true
+    })
+    .unwrap();
+    assert_eq!(sections, 5);
+    let mut expected = vec![(op.key.to_vec(), false), (op.key.to_vec(), false)];
+    expected.extend((0..3).map(|i| (vec![i as u8; 10], true)));
+    assert_eq!(keys, expected);
 }
 
 #[test]
