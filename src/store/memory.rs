@@ -194,11 +194,16 @@ struct SpillSlab<S> {
 struct Stripe<S: StoredState> {
     table: SlotTable<Slot<S::Packed>>,
     spill: Box<SpillSlab<S>>,
+    /// No entry expires before this (ms): lowered by every state written,
+    /// set exactly by each sweep. A sweep skips the stripe until then, so
+    /// a store of long-lived counters is not scanned for nothing.
+    soonest_expiry_ms: u64,
 }
 
 impl<S: StoredState> Default for Stripe<S> {
     fn default() -> Self {
         Stripe {
+            soonest_expiry_ms: u64::MAX,
             table: SlotTable::default(),
             spill: Box::new(SpillSlab {
                 spilled: Vec::new(),
@@ -320,7 +325,7 @@ impl<S: StoredState> Stripe<S> {
         hash_of: impl Fn(&Slot<S::Packed>) -> u64,
     ) -> usize {
         let before = self.table.len();
-        let Stripe { table, spill } = self;
+        let Stripe { table, spill, .. } = self;
         let SpillSlab {
             spilled,
             spilled_free,
@@ -607,7 +612,11 @@ impl<S: StoredState> StripedStore<S> {
         let cell = self.stripe_of(hash);
         let mut guard = cell.stripe.lock();
         let stripe = &mut *guard;
-        let Stripe { table, spill } = stripe;
+        let Stripe {
+            table,
+            spill,
+            soonest_expiry_ms,
+        } = stripe;
         let SpillSlab {
             spilled,
             spilled_free,
@@ -621,6 +630,7 @@ impl<S: StoredState> StripedStore<S> {
                 let current = Some(entry.state).filter(|s| s.expires_at_ms() > now_ms);
                 let (result, new_state) = step(current);
                 if let Some(state) = new_state {
+                    *soonest_expiry_ms = (*soonest_expiry_ms).min(state.expires_at_ms());
                     entry.state = state;
                 }
                 return Ok(result);
@@ -628,6 +638,7 @@ impl<S: StoredState> StripedStore<S> {
             let current = Some(S::unpack(slot.packed)).filter(|s| s.expires_at_ms() > now_ms);
             let (result, new_state) = step(current);
             if let Some(state) = new_state {
+                *soonest_expiry_ms = (*soonest_expiry_ms).min(state.expires_at_ms());
                 match state.pack() {
                     Some(packed) => slot.packed = packed,
                     None => {
@@ -643,6 +654,7 @@ impl<S: StoredState> StripedStore<S> {
         let Some(state) = new_state else {
             return Ok(result);
         };
+        stripe.soonest_expiry_ms = stripe.soonest_expiry_ms.min(state.expires_at_ms());
         if !self.reserve_live_key() {
             // Full: reclaim what has expired in this stripe, then try once more.
             self.sweep_locked(stripe, now_ms);
@@ -676,11 +688,27 @@ impl<S: StoredState> StripedStore<S> {
             .is_ok()
     }
 
+    /// Reclaims the stripe's expired entries, unless none can have expired
+    /// yet; returns how many.
     fn sweep_locked(&self, stripe: &mut Stripe<S>, now_ms: u64) -> usize {
-        let reclaimed = stripe.remove_slots(
-            |_, state| state.is_none_or(|s| s.expires_at_ms() <= now_ms),
-            |slot| self.slot_hash(slot),
-        );
+        let reclaimed = if now_ms < stripe.soonest_expiry_ms {
+            0
+        } else {
+            let mut soonest = u64::MAX;
+            let reclaimed = stripe.remove_slots(
+                |_, state| {
+                    let expires_at_ms = state.map_or(0, |s| s.expires_at_ms());
+                    if expires_at_ms > now_ms {
+                        soonest = soonest.min(expires_at_ms);
+                        return false;
+                    }
+                    true
+                },
+                |slot| self.slot_hash(slot),
+            );
+            stripe.soonest_expiry_ms = soonest;
+            reclaimed
+        };
         if reclaimed > 0 {
             self.live_keys.fetch_sub(reclaimed, Ordering::AcqRel);
             self.sweep_stats
@@ -696,7 +724,9 @@ impl<S: StoredState> StripedStore<S> {
     }
 
     /// Sweeps stripes starting at `first`, until at least `entries_budget`
-    /// entries were examined or every stripe was visited once. Returns the
+    /// entries were examined (a stripe none of whose entries can have
+    /// expired yet is passed over, examining none) or every stripe was
+    /// visited once. Returns the
     /// stripe to start from next time. Each stripe is locked only while it is
     /// swept, so a sweep never pauses the whole store.
     pub fn sweep_step(&self, first: usize, entries_budget: usize, now_ms: u64) -> usize {
@@ -705,7 +735,9 @@ impl<S: StoredState> StripedStore<S> {
         for _ in 0..self.stripes.len() {
             let cell = &self.stripes[index];
             let mut stripe = cell.stripe.lock();
-            examined += stripe.table.len();
+            if now_ms >= stripe.soonest_expiry_ms {
+                examined += stripe.table.len();
+            }
             self.sweep_locked(&mut stripe, now_ms);
             cell.publish(&stripe);
             drop(stripe);
@@ -1236,5 +1268,42 @@ mod tests {
         }
         assert_eq!(store.live_keys(), 0);
         assert_eq!(store.sweep_stats.reclaimed.load(Ordering::Relaxed), 100);
+    }
+
+    #[test]
+    fn a_sweep_passes_over_stripes_with_nothing_due_yet_misses_nothing_due() {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            stripes: 1,
+            live_keys_max: 1000,
+        });
+        let window = |seconds| WindowQuota::new(100, seconds).unwrap();
+        let hit_for = |key: &[u8], seconds, now_ms| {
+            store
+                .update(key, now_ms, |s| {
+                    let (d, new) = fixed_window_hit(s, window(seconds), now_ms);
+                    (d.allowed, new)
+                })
+                .unwrap()
+        };
+        // An hour-long counter: a sweep finds nothing due until it ends, and
+        // a budget of one entry is spent on nothing.
+        hit_for(b"hour", 3600, 0);
+        assert_eq!(store.sweep_step(0, 1, 10), 0);
+        assert_eq!(store.live_keys(), 1);
+        // A minute-long counter written after that sweep is reclaimed once
+        // it ends, though the sweep before had seen only the hour.
+        hit_for(b"minute", 60, 20);
+        store.sweep_step(0, 1, 59_000);
+        assert_eq!(store.live_keys(), 2, "nothing ended yet");
+        store.sweep_step(0, 1, 61_000);
+        assert_eq!(store.live_keys(), 1);
+        assert!(store.get(b"hour", 61_000).is_some());
+        // Updating a counter can only keep its stripe due no later.
+        hit_for(b"hour", 3600, 61_000);
+        store.sweep_step(0, 1, 3_599_000);
+        assert_eq!(store.live_keys(), 1);
+        store.sweep_step(0, 1, 3_601_000);
+        assert_eq!(store.live_keys(), 0);
+        assert_eq!(store.sweep_stats.reclaimed.load(Ordering::Relaxed), 2);
     }
 }
