@@ -565,17 +565,13 @@ impl Ack {
 /// readers the data plane uses, in the same order); returns how many
 /// sections there were. For the `data_frames` fuzz target and tests.
 pub fn validate(body: &[u8]) -> Result<u32, FrameError> {
-    walk_keys(body, |_, _| true)
+    walk_keys(body, |_| true)
 }
 
 /// Reads a data frame's sections without acting on them, showing `visit`
 /// every counter key they carry (forwarded ops' and round states', in
-/// order, with whether it is a round state's) until it answers `false`;
-/// returns how many sections were read.
-pub fn walk_keys(
-    body: &[u8],
-    mut visit: impl FnMut(&[u8], bool) -> bool,
-) -> Result<u32, FrameError> {
+/// order) until it answers `false`; returns how many sections were read.
+pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u32, FrameError> {
     let mut reader = Reader::new(body);
     let mut sections = 0;
     while !reader.is_empty() {
@@ -583,7 +579,7 @@ pub fn walk_keys(
             tag::FORWARD => {
                 reader.varint()?;
                 for _ in 0..reader.count(4)? {
-                    if !visit(reader.op()?.key, false) {
+                    if !visit(reader.op()?.key) {
                         return Ok(sections);
                     }
                 }
@@ -608,7 +604,7 @@ pub fn walk_keys(
                 for _ in 0..header.count {
                     let key = reader.bytes()?;
                     reader.state()?;
-                    if !visit(key, true) {
+                    if !visit(key) {
                         return Ok(sections);
                     }
                 }

@@ -125,11 +125,12 @@ impl PeerOut {
         Some(self.taken.load(Ordering::Acquire) + 1)
     }
 
-    /// Records that round `round` of the peer's incarnation `boot` was
-    /// applied here (or refused, with why). Rounds of an older incarnation
-    /// than one already acknowledged are not acknowledged: that leader is
-    /// gone, and its round numbers mean nothing to its successor.
-    pub fn record_ack(&self, boot: u64, round: u64, refused: Option<(u32, ApplyRefusal)>) {
+    /// Records that the rounds up to `round` of the peer's incarnation
+    /// `boot` were applied here, except the sections `refused` lists
+    /// (`(round, shard, why)`). Rounds of an older incarnation than one
+    /// already acknowledged are not acknowledged: that leader is gone, and
+    /// its round numbers mean nothing to its successor.
+    pub fn record_ack(&self, boot: u64, round: u64, refused: &[(u64, u32, ApplyRefusal)]) {
         let mut inner = self.inner.lock();
         if boot != inner.ack_boot {
             if boot < inner.ack_boot {
@@ -140,11 +141,8 @@ impl PeerOut {
             inner.ack_refused.clear();
         }
         inner.ack_upto = inner.ack_upto.max(round);
-        if let Some((shard, refusal)) = refused {
-            if inner.ack_refused.len() < 65_536 {
-                inner.ack_refused.push((round, shard, refusal));
-            }
-        }
+        let room = 65_536usize.saturating_sub(inner.ack_refused.len());
+        inner.ack_refused.extend(refused.iter().copied().take(room));
         inner.ack_dirty = true;
     }
 
@@ -215,14 +213,14 @@ mod tests {
     #[test]
     fn acks_follow_the_newest_incarnation_of_the_leader() {
         let out = PeerOut::new(2, Instant::now());
-        out.record_ack(100, 5_000, None);
+        out.record_ack(100, 5_000, &[]);
         assert_eq!(ack_in(&out.take_frame().unwrap()), (100, 5_000));
         // The leader restarted: its rounds count from 1 again, and the old
         // life's high-water mark must not acknowledge them.
-        out.record_ack(200, 1, None);
+        out.record_ack(200, 1, &[]);
         assert_eq!(ack_in(&out.take_frame().unwrap()), (200, 1));
         // A late round of the old life is not acknowledged at all.
-        out.record_ack(100, 5_001, None);
+        out.record_ack(100, 5_001, &[]);
         assert!(out.take_frame().is_none());
         assert!(out.note_boot(200) && !out.note_boot(100) && out.peer_boot() == 200);
     }

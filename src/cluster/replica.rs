@@ -40,11 +40,6 @@ use std::sync::Arc;
 
 use super::data_frames::OpView;
 
-/// States of a round section merged per prefetched chunk (see
-/// [`Replica::apply`]): enough misses in flight to hide most of their
-/// latency, few enough that a chunk's lines stay in L1/L2 until merged.
-const APPLY_PREFETCH_STATES: usize = 32;
-
 /// What a replica that restarted empty must reach before it votes and
 /// stands for election again (learned from its peers when it joined).
 #[derive(Debug, Clone, Copy)]
@@ -358,24 +353,10 @@ impl Replica {
         if fence > term {
             return Err(ApplyRefusal::Fenced { term: fence });
         }
-        // In chunks whose store lines are prefetched together first: a
-        // follower's merges are mostly cache misses (docs/benchmarks.md,
-        // "Cluster data path"), and this lets a chunk's misses overlap.
         let mut dropped = 0;
-        let mut states = states.into_iter();
-        let mut chunk: SmallVec<[(&[u8], CounterState); APPLY_PREFETCH_STATES]> = SmallVec::new();
-        loop {
-            chunk.extend(states.by_ref().take(APPLY_PREFETCH_STATES));
-            if chunk.is_empty() {
-                break;
-            }
-            let hashes: SmallVec<[u64; APPLY_PREFETCH_STATES]> =
-                chunk.iter().map(|(key, _)| store.key_hash(key)).collect();
-            store.prefetch_hashes(&hashes);
-            for (key, state) in chunk.drain(..) {
-                if store.merge(key, state, stamped_ms).is_err() {
-                    dropped += 1;
-                }
+        for (key, state) in states {
+            if store.merge(key, state, stamped_ms).is_err() {
+                dropped += 1;
             }
         }
         let fence = self.fence.load(Ordering::Acquire);

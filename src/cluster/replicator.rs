@@ -163,6 +163,9 @@ impl DataPlane {
         let stamped_ms = self.clock.now_ms();
         let mut states = 0u64;
         let mut records = Vec::with_capacity(sections.len());
+        // The round's peers, each looked up once, with its outbox if its
+        // link is up (a round reaches a few peers in many sections).
+        let mut links: SmallVec<[(NodeId, Option<Arc<PeerOut>>); 4]> = SmallVec::new();
         for section in &mut sections {
             states += u64::from(section.count);
             let config = match self.replica(section.shard) {
@@ -177,7 +180,15 @@ impl DataPlane {
             let mut sent_to: SmallVec<[NodeId; 4]> = SmallVec::new();
             let mut with_round: SmallVec<[RoundAnswered; 2]> = SmallVec::new();
             for &peer in &config.targets {
-                let Some(out) = self.existing_out(peer).filter(|o| o.connected()) else {
+                let at = match links.iter().position(|(p, _)| *p == peer) {
+                    Some(at) => at,
+                    None => {
+                        let out = self.existing_out(peer).filter(|o| o.connected());
+                        links.push((peer, out));
+                        links.len() - 1
+                    }
+                };
+                let Some(out) = &links[at].1 else {
                     continue;
                 };
                 sent_to.push(peer);
@@ -209,7 +220,7 @@ impl DataPlane {
             disk.write_pending();
         }
         let mut ended = Vec::new();
-        let mut touched: SmallVec<[Arc<PeerOut>; 4]> = SmallVec::new();
+        let mut touched: SmallVec<[&PeerOut; 4]> = SmallVec::new();
         {
             // Record before appending: no ack can precede its round.
             let mut flight = self.in_flight.lock();
@@ -241,10 +252,14 @@ impl DataPlane {
             DataStats::add(&self.stats.round_sections, records.len() as u64);
             flight.record(Instant::now(), records, &mut ended);
             drop(flight);
-            for (peers, section) in sends.into_iter().zip(&sections) {
-                for (peer, answers) in peers {
-                    let out = self.out(peer);
-                    let appended = out.append(|body| {
+            // Each peer's sections in one append.
+            for (peer, out) in &links {
+                let Some(out) = out else { continue };
+                let appended = out.append(|body| {
+                    for (peers, section) in sends.iter().zip(&sections) {
+                        let Some((_, answers)) = peers.iter().find(|(p, _)| p == peer) else {
+                            continue;
+                        };
                         body.push(tag::ROUND);
                         put_varint(body, round);
                         put_varint(body, stamped_ms);
@@ -252,11 +267,11 @@ impl DataPlane {
                         put_varint(body, section.term);
                         put_varint(body, u64::from(section.count));
                         body.extend_from_slice(&section.bytes);
-                        body.extend_from_slice(&round_answers[answers]);
-                    });
-                    if appended.is_some() && !touched.iter().any(|o| o.peer == peer) {
-                        touched.push(out);
+                        body.extend_from_slice(&round_answers[answers.clone()]);
                     }
+                });
+                if appended.is_some() {
+                    touched.push(out);
                 }
             }
         }
