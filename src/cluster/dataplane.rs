@@ -44,11 +44,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 /// Most keys of one inbound frame whose store lines are prefetched before
-/// the frame is handled: two lines each, 128 KiB at most, well within a
-/// core's L2 (1 MiB here). Fast mode's rounds carry hundreds of states per
-/// frame: 256 left most of them unprefetched (follower merges 14.6 % of the
-/// samples with leader-aware clients, 12.5 % with 1024).
-const FRAME_PREFETCH_KEYS_MAX: usize = 1024;
+/// the frame is handled: two lines each, 512 KiB at most, within a core's
+/// L2 (2 MiB here), and 32 KiB of hashes on the stack. Fast mode's rounds
+/// carry 1 500–2 500 states per frame: 1 024 left the rest unprefetched
+/// (follower merges 129 ns per hit with leader-aware clients, 93 ns with
+/// 4 096; docs/benchmarks.md, "Sixth round").
+const FRAME_PREFETCH_KEYS_MAX: usize = 4096;
 
 /// Settings of the data path.
 #[derive(Debug, Clone)]
