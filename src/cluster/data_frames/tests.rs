@@ -244,3 +244,11 @@ fn counted_sections_hold_any_u32_count() {
         assert!(reader.is_empty());
     }
 }
+
+#[test]
+fn the_fuzz_seed_of_answers_riding_with_a_round_is_a_valid_frame() {
+    // fuzz/corpus/peer_frames/round_answers: a ROUND section, then the
+    // ROUND_ANSWERS of the hits its receiver forwarded.
+    let seed = include_bytes!("../../../fuzz/corpus/peer_frames/round_answers");
+    assert_eq!(validate(seed), Ok(2));
+}
