@@ -14,7 +14,6 @@ use crate::protocol::{Pairs, Verb};
 use crate::store::{
     Backend, BatchDecided, CounterOp, Decided, MemoryStore, OpBatch, PrefetchHashes,
 };
-use std::cell::RefCell;
 use std::sync::Arc;
 
 pub struct ClusterBackend {
@@ -60,20 +59,20 @@ impl Backend for ClusterBackend {
         Some(&self.dp.store)
     }
 
-    /// The counters of shards this node leads (the others are forwarded).
+    /// Every counter of `ops`: those of shards this node leads are decided
+    /// on this store in a moment; with three replicas the others are held
+    /// here too (their states come back in their leader's round). Finding
+    /// out which is which (the key assembled, its shard hashed, the leader
+    /// looked up) cost more per hit than a prefetch that is not used
+    /// (docs/benchmarks.md, "Sixth round").
     fn counter_hashes(&self, ops: &[CounterOp<'_>], hashes: &mut PrefetchHashes) {
-        thread_local! {
-            static KEY: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        for op in ops {
+            hashes.push(
+                self.dp
+                    .store
+                    .key_hash_prefixed(op.rule.counter_id.0, op.actor.as_bytes()),
+            );
         }
-        KEY.with_borrow_mut(|key| {
-            for op in ops {
-                op.rule.counter_id.write_key(key, op.actor.as_bytes());
-                let shard = self.dp.placement.shard_of(key);
-                if self.dp.leaders.leader(shard) == Some(self.dp.me) {
-                    hashes.push(self.dp.store.key_hash(key));
-                }
-            }
-        });
     }
 }
 

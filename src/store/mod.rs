@@ -102,9 +102,10 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
-    /// Adds to `hashes` the [`MemoryStore::key_hash`] of each counter of
-    /// `ops` that this backend would decide in [`Backend::prefetch_store`]
-    /// (not those it sends elsewhere).
+    /// Adds to `hashes` the [`MemoryStore::key_hash`] of the counters of
+    /// `ops` worth prefetching in [`Backend::prefetch_store`]: those this
+    /// backend decides there (and, when telling them apart costs more than
+    /// a prefetch, others it holds there).
     fn counter_hashes(&self, _ops: &[CounterOp<'_>], _hashes: &mut PrefetchHashes) {}
 
     /// Can this backend count every rule of `rules`? To be checked before a
