@@ -252,7 +252,9 @@ impl DataPlane {
             DataStats::add(&self.stats.round_sections, records.len() as u64);
             flight.record(Instant::now(), records, &mut ended);
             drop(flight);
-            // Each peer's sections in one append.
+            // Each peer's sections in one append; a peer whose outbox is
+            // full does not get the round, and must not count as holding it.
+            let mut unsent: SmallVec<[NodeId; 4]> = SmallVec::new();
             for (peer, out) in &links {
                 let Some(out) = out else { continue };
                 let appended = out.append(|body| {
@@ -272,6 +274,18 @@ impl DataPlane {
                 });
                 if appended.is_some() {
                     touched.push(out);
+                } else if sends
+                    .iter()
+                    .any(|peers| peers.iter().any(|(p, _)| p == peer))
+                {
+                    unsent.push(*peer);
+                }
+            }
+            if !unsent.is_empty() {
+                let mut flight = self.in_flight.lock();
+                for peer in unsent {
+                    tracing::debug!(peer, round, "round not queued: the peer's outbox is full");
+                    flight.not_sent(round, peer, &mut ended);
                 }
             }
         }

@@ -525,6 +525,36 @@ impl InFlight {
         self.pop_done();
     }
 
+    /// Round `round` could not be queued for `peer` (its outbox was full):
+    /// `peer` does not hold its sections, whatever its later cumulative acks
+    /// say, and the answers meant to ride with them go the usual way.
+    pub fn not_sent(&mut self, round: u64, peer: NodeId, ended: &mut Vec<Ended>) {
+        let me = self.me;
+        let Some(record) = round
+            .checked_sub(self.first_round)
+            .and_then(|i| self.rounds.get_mut(i as usize))
+        else {
+            return;
+        };
+        for section in &mut record.sections {
+            if !section.sent_to.contains(&peer) {
+                continue;
+            }
+            if Self::resolve(section, peer, false, ended) {
+                record.unresolved -= 1;
+            }
+            section.sent_to.retain(|n| *n != peer);
+            if section.done() {
+                continue;
+            }
+            if let Some(end) = Self::settle(me, section) {
+                record.open -= 1;
+                Self::end(section, end, ended);
+            }
+        }
+        self.pop_done();
+    }
+
     /// Ends sections sent more than `timeout` before `now`.
     pub fn expire(&mut self, now: Instant, timeout: Duration, ended: &mut Vec<Ended>) {
         let ms = timeout.as_millis() as u64;
@@ -743,6 +773,42 @@ mod tests {
             ends_with_peers(&ended),
             vec![(0, SectionEnd::Committed, vec![2, 2])]
         );
+        assert!(flight.is_empty());
+    }
+
+    #[test]
+    fn a_round_that_could_not_be_queued_for_a_peer_is_not_held_by_it() {
+        let mut flight = InFlight::new(1);
+        let mut ended = Vec::new();
+        flight.record(Instant::now(), vec![answered_with_round(0)], &mut ended);
+        // Node 2's outbox was full: its answers go the usual way, and its
+        // cumulative ack of a later round does not make it a holder.
+        flight.not_sent(1, 2, &mut ended);
+        assert!(ended.is_empty(), "node 3 may still hold it");
+        flight.record(
+            Instant::now(),
+            vec![section(1, &[1, 2, 3], &[2, 3])],
+            &mut ended,
+        );
+        flight.ack(2, 2, &[], &mut ended);
+        assert_eq!(ends(&ended), vec![(1, SectionEnd::Committed)]);
+        ended.clear();
+        flight.ack(3, 1, &[], &mut ended);
+        assert_eq!(
+            ends_with_peers(&ended),
+            vec![(0, SectionEnd::Committed, vec![3, 2, 2])]
+        );
+        // Queued for nobody else who could make a majority: it cannot commit.
+        let mut flight = InFlight::new(1);
+        ended.clear();
+        flight.record(
+            Instant::now(),
+            vec![section(0, &[1, 2, 3], &[2, 3])],
+            &mut ended,
+        );
+        flight.not_sent(1, 2, &mut ended);
+        flight.not_sent(1, 3, &mut ended);
+        assert_eq!(ends(&ended), vec![(0, SectionEnd::Unreachable)]);
         assert!(flight.is_empty());
     }
 
