@@ -274,10 +274,7 @@ impl DataPlane {
                 });
                 if appended.is_some() {
                     touched.push(out);
-                } else if sends
-                    .iter()
-                    .any(|peers| peers.iter().any(|(p, _)| p == peer))
-                {
+                } else {
                     unsent.push(*peer);
                 }
             }

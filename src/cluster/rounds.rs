@@ -71,12 +71,12 @@ impl RoundAnswered {
     /// Takes `peer`'s incarnation `boot`'s remote waiters out of
     /// `waiters`, if there are any.
     pub fn take(waiters: &mut Vec<Waiter>, peer: NodeId, boot: u64) -> Option<RoundAnswered> {
-        let is_theirs = |w: &Waiter| matches!(w, Waiter::Remote { peer: p, boot: b, .. } if (*p, *b) == (peer, boot));
-        if !waiters.iter().any(is_theirs) {
-            return None;
-        }
-        let taken = waiters.extract_if(.., |w| is_theirs(w)).collect();
-        Some(RoundAnswered {
+        let taken: Vec<Waiter> = waiters
+            .extract_if(.., |w| {
+                matches!(w, Waiter::Remote { peer: p, boot: b, .. } if (*p, *b) == (peer, boot))
+            })
+            .collect();
+        (!taken.is_empty()).then_some(RoundAnswered {
             peer,
             boot,
             waiters: taken,
@@ -266,9 +266,13 @@ struct RoundRecord {
     sections: Vec<SectionRecord>,
     /// Sections not ended yet.
     open: usize,
-    /// Answers sent with the round whose replica has not said yet whether
-    /// it applied their section.
-    unresolved: usize,
+}
+
+impl RoundRecord {
+    /// Ended, and every answer sent with it settled by its replica.
+    fn finished(&self) -> bool {
+        self.open == 0 && self.sections.iter().all(|s| s.with_round.is_empty())
+    }
 }
 
 /// A section as sent: the shard's commit rule and who it went to.
@@ -322,7 +326,6 @@ impl InFlight {
         let mut record = RoundRecord {
             sent_at,
             open: sections.len(),
-            unresolved: sections.iter().map(|s| s.with_round.len()).sum(),
             sections: sections
                 .into_iter()
                 .map(|s| SectionRecord {
@@ -389,19 +392,14 @@ impl InFlight {
     /// `peer` said whether it applied `section`, whose waiters it was
     /// answered for in the round's frame: applied, and they are done;
     /// not, and they are answered as the section ends (now, if it ended
-    /// already). Returns whether `peer` had any.
-    fn resolve(
-        section: &mut SectionRecord,
-        peer: NodeId,
-        applied: bool,
-        ended: &mut Vec<Ended>,
-    ) -> bool {
+    /// already).
+    fn resolve(section: &mut SectionRecord, peer: NodeId, applied: bool, ended: &mut Vec<Ended>) {
         let Some(at) = section.with_round.iter().position(|a| a.peer == peer) else {
-            return false;
+            return;
         };
         let answered = section.with_round.swap_remove(at);
         if applied {
-            return true;
+            return;
         }
         match &section.ended_as {
             Some(end) => ended.push(Ended {
@@ -412,15 +410,28 @@ impl InFlight {
             }),
             None => section.waiters.extend(answered.waiters),
         }
-        true
+    }
+
+    /// `peer` will not hold `section` (the link broke before it acked, or
+    /// the round never left): its answers go the usual way, and the section
+    /// ends if it cannot commit without it. Returns whether it ended now.
+    fn lost(me: NodeId, section: &mut SectionRecord, peer: NodeId, ended: &mut Vec<Ended>) -> bool {
+        Self::resolve(section, peer, false, ended);
+        section.sent_to.retain(|n| *n != peer);
+        if section.done() {
+            return false;
+        }
+        match Self::settle(me, section) {
+            Some(end) => {
+                Self::end(section, end, ended);
+                true
+            }
+            None => false,
+        }
     }
 
     fn pop_done(&mut self) {
-        while self
-            .rounds
-            .front()
-            .is_some_and(|r| r.open == 0 && r.unresolved == 0)
-        {
+        while self.rounds.front().is_some_and(RoundRecord::finished) {
             self.rounds.pop_front();
             self.first_round += 1;
         }
@@ -447,9 +458,7 @@ impl InFlight {
                 continue;
             };
             for section in record.sections.iter_mut().filter(|s| s.shard == shard) {
-                if Self::resolve(section, peer, false, ended) {
-                    record.unresolved -= 1;
-                }
+                Self::resolve(section, peer, false, ended);
                 if section.done() {
                     continue;
                 }
@@ -478,9 +487,7 @@ impl InFlight {
                     if !section.sent_to.contains(&peer) || section.refusers.contains(&peer) {
                         continue;
                     }
-                    if Self::resolve(section, peer, true, ended) {
-                        record.unresolved -= 1;
-                    }
+                    Self::resolve(section, peer, true, ended);
                     if section.done() {
                         continue;
                     }
@@ -507,16 +514,11 @@ impl InFlight {
             for section in &mut record.sections {
                 // Whether the answers sent with the round arrived is not
                 // known: they go again (a node ignores answers it has).
-                if Self::resolve(section, peer, false, ended) {
-                    record.unresolved -= 1;
-                }
-                if section.done() || section.holders.contains(&peer) {
+                if section.holders.contains(&peer) {
                     continue;
                 }
-                section.sent_to.retain(|n| *n != peer);
-                if let Some(end) = Self::settle(me, section) {
+                if Self::lost(me, section, peer, ended) {
                     record.open -= 1;
-                    Self::end(section, end, ended);
                 }
             }
         }
@@ -537,19 +539,8 @@ impl InFlight {
             return;
         };
         for section in &mut record.sections {
-            if !section.sent_to.contains(&peer) {
-                continue;
-            }
-            if Self::resolve(section, peer, false, ended) {
-                record.unresolved -= 1;
-            }
-            section.sent_to.retain(|n| *n != peer);
-            if section.done() {
-                continue;
-            }
-            if let Some(end) = Self::settle(me, section) {
+            if section.sent_to.contains(&peer) && Self::lost(me, section, peer, ended) {
                 record.open -= 1;
-                Self::end(section, end, ended);
             }
         }
         self.pop_done();
@@ -571,7 +562,6 @@ impl InFlight {
                 // the section's end (a node ignores answers it has).
                 while let Some(peer) = section.with_round.first().map(|a| a.peer) {
                     Self::resolve(section, peer, false, ended);
-                    record.unresolved -= 1;
                 }
             }
         }
