@@ -52,6 +52,54 @@ use tokio::sync::Notify;
 /// 4 096; docs/benchmarks.md, "Sixth round").
 const FRAME_PREFETCH_KEYS_MAX: usize = 4096;
 
+/// What handling a frame writes as it goes, kept by each thread from frame
+/// to frame so that its buffers grow once, not in every frame (five nodes'
+/// many small frames spent 0.08 µs per hit allocating; docs/benchmarks.md,
+/// "Seventh round").
+#[derive(Default)]
+struct FrameScratch {
+    /// The frame's answers to forwarded hits: an `ANSWERS` section.
+    answers: Vec<u8>,
+    /// States decided for forwarded hits, their keys in `keys`.
+    decided: Vec<(usize, usize, DecidedState)>,
+    keys: Vec<u8>,
+    /// Answers of the leader's `ANSWERS` sections, and those of its
+    /// `ROUND_ANSWERS` sections whose round section was applied here (the
+    /// latter taken once that section is written to the data dir).
+    answered: Vec<(u64, u32, WireDecision)>,
+    answered_with_rounds: Vec<(u64, u32, WireDecision)>,
+}
+
+impl FrameScratch {
+    /// Empties every buffer, keeping what each has grown to unless they
+    /// hold more than [`FRAME_SCRATCH_KEPT_BYTES_MAX`] together (a burst's
+    /// frames are not kept by every thread for ever).
+    fn clear(&mut self) {
+        use std::mem::size_of;
+        let kept = self.answers.capacity()
+            + self.keys.capacity()
+            + self.decided.capacity() * size_of::<(usize, usize, DecidedState)>()
+            + (self.answered.capacity() + self.answered_with_rounds.capacity())
+                * size_of::<(u64, u32, WireDecision)>();
+        if kept > FRAME_SCRATCH_KEPT_BYTES_MAX {
+            *self = FrameScratch::default();
+            return;
+        }
+        self.answers.clear();
+        self.decided.clear();
+        self.keys.clear();
+        self.answered.clear();
+        self.answered_with_rounds.clear();
+    }
+}
+
+/// Most bytes a thread keeps in its [`FrameScratch`] between frames.
+const FRAME_SCRATCH_KEPT_BYTES_MAX: usize = 1 << 20;
+
+thread_local! {
+    static FRAME_SCRATCH: RefCell<FrameScratch> = RefCell::new(FrameScratch::default());
+}
+
 /// Settings of the data path.
 #[derive(Debug, Clone)]
 pub struct DataSettings {
@@ -386,17 +434,19 @@ impl DataPlane {
         }
         self.prefetch_frame(body);
         let mut reader = Reader::new(body);
-        let mut answers: Vec<u8> = Vec::new();
+        // Buffers kept by the thread from frame to frame (taken, so that a
+        // frame handled within this one would start with empty ones).
+        let mut scratch = FRAME_SCRATCH.with_borrow_mut(std::mem::take);
+        let FrameScratch {
+            answers,
+            decided,
+            keys,
+            answered,
+            answered_with_rounds,
+        } = &mut scratch;
         let mut answer_count = 0u32;
         let mut answers_at = None;
         let mut ended = Vec::new();
-        let mut decided: Vec<(usize, usize, DecidedState)> = Vec::new();
-        let mut keys: Vec<u8> = Vec::new();
-        // Answers of the leader's ANSWERS sections, and those of its
-        // ROUND_ANSWERS sections whose round section was applied here (the
-        // latter taken once that section is written to the data dir).
-        let mut answered: Vec<(u64, u32, WireDecision)> = Vec::new();
-        let mut answered_with_rounds: Vec<(u64, u32, WireDecision)> = Vec::new();
         // The round section just read, `(round, shard)`, if it was applied.
         let mut applied: Option<(u64, u32)> = None;
         // What this frame's round sections tell their leader: the highest
@@ -420,17 +470,16 @@ impl DataPlane {
                                 index,
                                 &op,
                                 now_ms,
-                                &mut keys,
-                                &mut decided,
+                                keys,
+                                decided,
                             );
                             if let Some(answer) = answer {
-                                let at = *answers_at.get_or_insert_with(|| {
-                                    begin_counted(&mut answers, tag::ANSWERS, &[from_boot])
+                                answers_at.get_or_insert_with(|| {
+                                    begin_counted(answers, tag::ANSWERS, &[from_boot])
                                 });
-                                let _ = at;
-                                put_varint(&mut answers, batch);
-                                put_varint(&mut answers, u64::from(index));
-                                put_decision(&mut answers, &answer);
+                                put_varint(answers, batch);
+                                put_varint(answers, u64::from(index));
+                                put_decision(answers, &answer);
                                 answer_count += 1;
                             }
                         }
@@ -486,7 +535,7 @@ impl DataPlane {
         if let Some(disk) = &self.disk {
             disk.write_pending();
         }
-        self.take_answers(answered_with_rounds);
+        self.take_answers(answered_with_rounds.drain(..));
         if let Some(upto) = acked_upto {
             let out = self.out(from);
             out.record_ack(from_boot, upto, &refused);
@@ -495,21 +544,20 @@ impl DataPlane {
         if !decided.is_empty() {
             self.push_states(
                 decided
-                    .into_iter()
+                    .drain(..)
                     .map(|(at, len, state)| (&keys[at..at + len], state)),
             );
         }
         if let Some(at) = answers_at {
-            end_counted(&mut answers, at, answer_count);
+            end_counted(answers, at, answer_count);
             let out = self.out(from);
-            if out
-                .append(|body| body.extend_from_slice(&answers))
-                .is_some()
-            {
+            if out.append(|body| body.extend_from_slice(answers)).is_some() {
                 out.wake.notify_one();
             }
         }
         self.release(ended);
+        scratch.clear();
+        FRAME_SCRATCH.with_borrow_mut(|kept| *kept = scratch);
         result
     }
 
@@ -745,5 +793,32 @@ impl DataPlane {
     /// Milliseconds since this data plane started (for liveness math).
     pub fn uptime_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frames_scratch_keeps_what_it_grew_to_up_to_its_bound() {
+        let mut scratch = FrameScratch::default();
+        scratch.answers.extend_from_slice(&[1; 1000]);
+        scratch.keys.extend_from_slice(&[2; 100]);
+        scratch
+            .answered
+            .push((1, 2, WireDecision::Full { live_keys_max: 3 }));
+        scratch.clear();
+        assert!(scratch.answers.is_empty() && scratch.keys.is_empty());
+        assert!(scratch.answered.is_empty());
+        assert!(
+            scratch.answers.capacity() >= 1000,
+            "kept for the next frame"
+        );
+        // A burst's frame: given back rather than kept by the thread.
+        scratch.answers.reserve(FRAME_SCRATCH_KEPT_BYTES_MAX + 1);
+        scratch.clear();
+        assert_eq!(scratch.answers.capacity(), 0);
+        assert_eq!(scratch.keys.capacity(), 0);
     }
 }
