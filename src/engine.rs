@@ -3,7 +3,7 @@
 //! counted, and a [`Reply`] comes out. Connections call [`Engine::execute`];
 //! nothing here touches a socket.
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Moment};
 use crate::limiter::{Decision, WindowQuota};
 use crate::metrics::{HitStatus, LabelCounters, Metrics};
 use crate::protocol::{encode_err, encode_ok, parse_line_into, split_line, ErrorCode, Pairs, Verb};
@@ -18,7 +18,7 @@ use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Most requests of one read planned, and their counters prefetched,
 /// before the first is decided ([`Engine::execute_hit_run`]).
@@ -172,7 +172,7 @@ pub struct LoadedRules {
 #[derive(Debug, Clone, Copy)]
 pub struct Arrival {
     /// For `divvy_hit_duration_seconds`: time from receipt to decision.
-    pub received: Instant,
+    pub received: Moment,
     /// The limiter's time (wall-clock milliseconds from the engine's clock).
     pub now_ms: u64,
 }
@@ -184,9 +184,9 @@ enum DecidedAt {
     InBatch,
     /// Now: a backend's future for it resolved.
     Now,
-    /// At this instant, read once for a run of deferred hits answered
+    /// At this moment, read once for a run of deferred hits answered
     /// together.
-    At(Instant),
+    At(Moment),
 }
 
 /// Synchronous decisions of one batch that share a clock read for
@@ -196,7 +196,7 @@ const DECISIONS_PER_DURATION_READ: u32 = 16;
 thread_local! {
     /// The batch this thread last timed (its arrival), the instant its
     /// decisions are counted at, and how many used that instant.
-    static BATCH_TIMING: Cell<Option<(Instant, Instant, u32)>> = const { Cell::new(None) };
+    static BATCH_TIMING: Cell<Option<(Moment, Moment, u32)>> = const { Cell::new(None) };
 }
 
 /// Time from receipt to decision of a request decided while its batch
@@ -205,13 +205,13 @@ thread_local! {
 /// batch, and a read is taken for the first decision of a batch and then
 /// every few decisions. A duration is short by at most the time those few
 /// decisions took (microseconds; the histogram's buckets are milliseconds).
-fn synchronous_elapsed(received: Instant) -> Duration {
+fn synchronous_elapsed(received: Moment) -> Duration {
     BATCH_TIMING.with(|cell| {
         let (decided_at, uses) = match cell.get() {
             Some((batch, at, uses)) if batch == received && uses < DECISIONS_PER_DURATION_READ => {
                 (at, uses + 1)
             }
-            _ => (Instant::now(), 1),
+            _ => (Moment::now(), 1),
         };
         cell.set(Some((received, decided_at, uses)));
         decided_at.saturating_duration_since(received)
@@ -255,6 +255,8 @@ impl Engine {
         metrics: Arc<Metrics>,
         unavailable_policy: UnavailablePolicy,
     ) -> Engine {
+        // The monotonic clock is calibrated now, not on the first request.
+        Moment::calibrate();
         let loaded = Self::load(&metrics, rules);
         Engine {
             rules: ArcSwap::from_pointee(loaded),
@@ -318,7 +320,7 @@ impl Engine {
     /// Reads the clock for a batch of lines that just arrived: one read
     /// gives both the instant and the limiter's wall time.
     pub fn arrival(&self) -> Arrival {
-        let received = Instant::now();
+        let received = Moment::now();
         Arrival {
             received,
             now_ms: self.clock.now_ms_at(received),
@@ -771,7 +773,7 @@ impl Engine {
         loaded: &LoadedRules,
         hit: &DeferredHit,
         answers: &SlotAnswers,
-        decided_at: Instant,
+        decided_at: Moment,
     ) -> Reply {
         let ops = hit
             .plan
