@@ -17,6 +17,7 @@ use futures_util::future::BoxFuture;
 use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -236,8 +237,29 @@ impl Step {
 
 type Plan = SmallVec<[Step; 2]>;
 
+/// Engines told apart by the per-thread rules cache ([`Engine::with_rules`]).
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(0);
+
+/// The rules a thread last executed with, of which engine and generation.
+struct CachedRules {
+    engine: u64,
+    generation: u64,
+    rules: Arc<LoadedRules>,
+}
+
+thread_local! {
+    /// [`Engine::with_rules`]'s copy of the served rules: a request reads
+    /// its engine's generation, a plain load, where `ArcSwap::load` and
+    /// its guard's drop are two atomic read-modify-writes.
+    static CACHED_RULES: Cell<Option<CachedRules>> = const { Cell::new(None) };
+}
+
 pub struct Engine {
     rules: ArcSwap<LoadedRules>,
+    /// Bumped after each [`Engine::replace_rules`]: threads' cached rules of
+    /// an older generation are loaded again.
+    rules_generation: AtomicU64,
+    id: u64,
     backend: Arc<dyn Backend>,
     clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
@@ -260,6 +282,8 @@ impl Engine {
         let loaded = Self::load(&metrics, rules);
         Engine {
             rules: ArcSwap::from_pointee(loaded),
+            rules_generation: AtomicU64::new(0),
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
             backend,
             clock,
             metrics,
@@ -298,6 +322,7 @@ impl Engine {
     /// Counters of rules whose identity is unchanged keep counting.
     pub fn replace_rules(&self, set: RuleSet) {
         self.rules.store(Arc::new(Self::load(&self.metrics, set)));
+        self.rules_generation.fetch_add(1, Ordering::SeqCst);
     }
 
     pub fn rules(&self) -> Arc<LoadedRules> {
@@ -680,9 +705,33 @@ impl Engine {
     }
 
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
-        let loaded = self.rules.load();
-        let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
-        self.decide_planned(&loaded, &ops, plan, peek, arrival)
+        self.with_rules(|loaded| {
+            let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
+            self.decide_planned(loaded, &ops, plan, peek, arrival)
+        })
+    }
+
+    /// Calls `f` with the rules being served, as [`Engine::rules`] gives
+    /// them, from this thread's copy while the engine's generation has not
+    /// changed (a request that began before a replacement finishes on the
+    /// old rules, as with `ArcSwap`). Reentrant: a nested call, which finds
+    /// the copy taken, loads the rules itself.
+    fn with_rules<R>(&self, f: impl FnOnce(&Arc<LoadedRules>) -> R) -> R {
+        // Read before the rules: a copy is never newer than its generation.
+        let generation = self.rules_generation.load(Ordering::Acquire);
+        // (`try_with`: a thread's destructors may still run requests' code.)
+        let cached = CACHED_RULES.try_with(Cell::take).ok().flatten();
+        let cached = match cached {
+            Some(cached) if cached.engine == self.id && cached.generation == generation => cached,
+            _ => CachedRules {
+                engine: self.id,
+                generation,
+                rules: self.rules.load_full(),
+            },
+        };
+        let result = f(&cached.rules);
+        let _ = CACHED_RULES.try_with(|cell| cell.set(Some(cached)));
+        result
     }
 
     /// Decides a planned hit's `ops` on the backend; the reply follows
@@ -942,6 +991,34 @@ mod tests {
                 return (replies, from_runs);
             }
         }
+    }
+
+    #[test]
+    fn each_request_sees_its_own_engines_rules_and_the_latest_replacement() {
+        let (first, second) = (engine(), engine());
+        second.replace_rules(
+            RuleSet::from_ini("[default]\ncreditLimit = 7\nresetSeconds = 60\n").unwrap(),
+        );
+        // One thread alternating between engines: the cached rules of one
+        // are never used for the other.
+        for _ in 0..3 {
+            let line = b"PEEK path=/other";
+            assert_eq!(
+                encoded(first.execute(line, first.arrival())),
+                "OK true 99 60\n"
+            );
+            assert_eq!(
+                encoded(second.execute(line, second.arrival())),
+                "OK true 6 60\n"
+            );
+        }
+        // A replacement is seen by the next request of a thread that cached
+        // the rules before it.
+        first.replace_rules(
+            RuleSet::from_ini("[default]\ncreditLimit = 5\nresetSeconds = 60\n").unwrap(),
+        );
+        let peek = encoded(first.execute(b"PEEK path=/other", first.arrival()));
+        assert_eq!(peek, "OK true 4 60\n");
     }
 
     #[test]
