@@ -19,7 +19,6 @@ use std::borrow::Cow;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Most requests of one read planned, and their counters prefetched,
 /// before the first is decided ([`Engine::execute_hit_run`]).
@@ -181,7 +180,7 @@ pub struct Arrival {
 /// When a request's decision was reached, for `divvy_hit_duration_seconds`.
 #[derive(Debug, Clone, Copy)]
 enum DecidedAt {
-    /// While its read's lines execute: see [`synchronous_elapsed`].
+    /// While its read's lines execute: see [`synchronous_elapsed_ns`].
     InBatch,
     /// Now: a backend's future for it resolved.
     Now,
@@ -206,7 +205,7 @@ thread_local! {
 /// batch, and a read is taken for the first decision of a batch and then
 /// every few decisions. A duration is short by at most the time those few
 /// decisions took (microseconds; the histogram's buckets are milliseconds).
-fn synchronous_elapsed(received: Moment) -> Duration {
+fn synchronous_elapsed_ns(received: Moment) -> u64 {
     BATCH_TIMING.with(|cell| {
         let (decided_at, uses) = match cell.get() {
             Some((batch, at, uses)) if batch == received && uses < DECISIONS_PER_DURATION_READ => {
@@ -215,7 +214,7 @@ fn synchronous_elapsed(received: Moment) -> Duration {
             _ => (Moment::now(), 1),
         };
         cell.set(Some((received, decided_at, uses)));
-        decided_at.saturating_duration_since(received)
+        decided_at.saturating_nanos_since(received)
     })
 }
 
@@ -846,7 +845,7 @@ impl Engine {
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts
     /// metrics once per evaluated rule. `synchronous`: decided while its
-    /// batch executes (see [`synchronous_elapsed`]).
+    /// batch executes (see [`synchronous_elapsed_ns`]).
     fn finish(
         &self,
         loaded: &LoadedRules,
@@ -896,10 +895,10 @@ impl Engine {
         match last {
             Some(Ok(decision)) => {
                 if !peek {
-                    self.metrics.hit_duration(match decided_at {
-                        DecidedAt::InBatch => synchronous_elapsed(arrival.received),
-                        DecidedAt::Now => arrival.received.elapsed(),
-                        DecidedAt::At(at) => at.saturating_duration_since(arrival.received),
+                    self.metrics.hit_duration_ns(match decided_at {
+                        DecidedAt::InBatch => synchronous_elapsed_ns(arrival.received),
+                        DecidedAt::Now => Moment::now().saturating_nanos_since(arrival.received),
+                        DecidedAt::At(at) => at.saturating_nanos_since(arrival.received),
                     });
                 }
                 Reply::Decision(decision)
