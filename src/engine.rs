@@ -694,7 +694,7 @@ impl Engine {
         arrival: Arrival,
         decided_at: DecidedAt,
     ) -> OperationAnswer {
-        let reply = self.finish(loaded, plan, decisions, peek, arrival, decided_at);
+        let reply = self.finish(loaded, plan, &decisions, peek, arrival, decided_at);
         let rule = plan.last().map(|step| &loaded.set.rules()[step.position()]);
         OperationAnswer {
             reply,
@@ -703,6 +703,7 @@ impl Engine {
         }
     }
 
+    #[inline]
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
         self.with_rules(|loaded| {
             let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
@@ -735,6 +736,7 @@ impl Engine {
 
     /// Decides a planned hit's `ops` on the backend; the reply follows
     /// `plan`.
+    #[inline]
     fn decide_planned(
         self: &Arc<Self>,
         loaded: &Arc<LoadedRules>,
@@ -749,7 +751,7 @@ impl Engine {
             self.backend.decide(ops, arrival.now_ms)
         };
         match decided {
-            Decided::Ready(decisions) => Outcome::Now(self.finish(
+            Decided::Ready(ref decisions) => Outcome::Now(self.finish(
                 loaded,
                 &plan,
                 decisions,
@@ -762,7 +764,7 @@ impl Engine {
                 let loaded = Arc::clone(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, decisions, peek, arrival, DecidedAt::Now)
+                    engine.finish(&loaded, &plan, &decisions, peek, arrival, DecidedAt::Now)
                 }))
             }
         }
@@ -797,7 +799,7 @@ impl Engine {
             batch.ops.decide(ops, arrival.now_ms)
         };
         match decided {
-            BatchDecided::Ready(decisions) => Outcome::Now(self.finish(
+            BatchDecided::Ready(ref decisions) => Outcome::Now(self.finish(
                 loaded,
                 &plan,
                 decisions,
@@ -829,9 +831,8 @@ impl Engine {
             .filter(|step| matches!(step, Step::Counter(..)))
             .count();
         let first = hit.first_slot as usize;
-        let decisions: Decisions = match answers.get(first..first + ops) {
-            Some(slots) => slots.iter().cloned().collect(),
-            None => return Reply::error("backend returned too few decisions"),
+        let Some(decisions) = answers.get(first..first + ops) else {
+            return Reply::error("backend returned too few decisions");
         };
         self.finish(
             loaded,
@@ -850,12 +851,13 @@ impl Engine {
         &self,
         loaded: &LoadedRules,
         plan: &Plan,
-        decisions: Decisions,
+        decisions: &[Result<Decision, BackendError>],
         peek: bool,
         arrival: Arrival,
         decided_at: DecidedAt,
     ) -> Reply {
-        let mut last: Option<Result<Decision, &BackendError>> = None;
+        // By reference: the decision is copied once, into the reply.
+        let mut last: Option<Result<&Decision, &BackendError>> = None;
         // A cluster shard that cannot decide is a backend failure, counted
         // here once per request (the Redis backend counts its own).
         if decisions
@@ -865,11 +867,11 @@ impl Engine {
             self.metrics.backend_error();
         }
         for step in plan {
-            let (position, result) = match *step {
-                Step::Fixed(position, decision) => (position, Ok(decision)),
-                Step::Counter(position, op) => match decisions.get(op) {
-                    Some(Ok(decision)) => (position, Ok(*decision)),
-                    Some(Err(error)) => (position, Err(error)),
+            let (position, result) = match step {
+                Step::Fixed(position, decision) => (*position, Ok(decision)),
+                Step::Counter(position, op) => match decisions.get(*op) {
+                    Some(Ok(decision)) => (*position, Ok(decision)),
+                    Some(Err(error)) => (*position, Err(error)),
                     None => return Reply::error("backend returned too few decisions"),
                 },
             };
@@ -901,7 +903,7 @@ impl Engine {
                         DecidedAt::At(at) => at.saturating_nanos_since(arrival.received),
                     });
                 }
-                Reply::Decision(decision)
+                Reply::Decision(*decision)
             }
             Some(Err(error)) => self.unavailable(loaded, plan, error),
             None => Reply::error("no rule matched"),
