@@ -5,7 +5,7 @@
 
 use crate::clock::{Clock, Moment};
 use crate::limiter::{Decision, WindowQuota};
-use crate::metrics::{HitStatus, LabelCounters, Metrics};
+use crate::metrics::{HitStatus, LabelCounters, Metrics, ThreadLabelCounts};
 use crate::protocol::{encode_err, encode_ok, parse_line_into, split_line, ErrorCode, Pairs, Verb};
 use crate::rules::{CurrentRules, MatchPolicy, Quota, RuleSet};
 use crate::store::{
@@ -239,11 +239,13 @@ type Plan = SmallVec<[Step; 2]>;
 /// Engines told apart by the per-thread rules cache ([`Engine::with_rules`]).
 static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(0);
 
-/// The rules a thread last executed with, of which engine and generation.
+/// The rules a thread last executed with, of which engine and generation,
+/// and this thread's cells of each rule's label counters.
 struct CachedRules {
     engine: u64,
     generation: u64,
     rules: Arc<LoadedRules>,
+    label_counts: Box<[Arc<ThreadLabelCounts>]>,
 }
 
 thread_local! {
@@ -511,7 +513,7 @@ impl Engine {
                 Some(batch) => {
                     self.decide_in_batch(&loaded, &hit.ops, hit.plan, hit.peek, arrival, batch)
                 }
-                None => self.decide_planned(&loaded, &hit.ops, hit.plan, hit.peek, arrival),
+                None => self.decide_planned(&loaded, &hit.ops, hit.plan, hit.peek, arrival, None),
             };
             let closes = matches!(&outcome, Outcome::Now(reply) if reply.closes_connection());
             outcomes.push(outcome);
@@ -694,7 +696,7 @@ impl Engine {
         arrival: Arrival,
         decided_at: DecidedAt,
     ) -> OperationAnswer {
-        let reply = self.finish(loaded, plan, &decisions, peek, arrival, decided_at);
+        let reply = self.finish(loaded, plan, &decisions, peek, arrival, decided_at, None);
         let rule = plan.last().map(|step| &loaded.set.rules()[step.position()]);
         OperationAnswer {
             reply,
@@ -705,31 +707,43 @@ impl Engine {
 
     #[inline]
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
-        self.with_rules(|loaded| {
+        self.with_rules(|loaded, label_counts| {
             let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
-            self.decide_planned(loaded, &ops, plan, peek, arrival)
+            self.decide_planned(loaded, &ops, plan, peek, arrival, Some(label_counts))
         })
     }
 
     /// Calls `f` with the rules being served, as [`Engine::rules`] gives
     /// them, from this thread's copy while the engine's generation has not
     /// changed (a request that began before a replacement finishes on the
-    /// old rules, as with `ArcSwap`). Reentrant: a nested call, which finds
-    /// the copy taken, loads the rules itself.
-    fn with_rules<R>(&self, f: impl FnOnce(&Arc<LoadedRules>) -> R) -> R {
+    /// old rules, as with `ArcSwap`), and this thread's cells of their
+    /// label counters. Reentrant: a nested call, which finds the copy
+    /// taken, loads the rules itself.
+    fn with_rules<R>(
+        &self,
+        f: impl FnOnce(&Arc<LoadedRules>, &[Arc<ThreadLabelCounts>]) -> R,
+    ) -> R {
         // Read before the rules: a copy is never newer than its generation.
         let generation = self.rules_generation.load(Ordering::Acquire);
         // (`try_with`: a thread's destructors may still run requests' code.)
         let cached = CACHED_RULES.try_with(Cell::take).ok().flatten();
         let cached = match cached {
             Some(cached) if cached.engine == self.id && cached.generation == generation => cached,
-            _ => CachedRules {
-                engine: self.id,
-                generation,
-                rules: self.rules.load_full(),
-            },
+            _ => {
+                let rules = self.rules.load_full();
+                CachedRules {
+                    engine: self.id,
+                    generation,
+                    label_counts: rules
+                        .label_counters
+                        .iter()
+                        .map(|counters| counters.cells_of_this_thread())
+                        .collect(),
+                    rules,
+                }
+            }
         };
-        let result = f(&cached.rules);
+        let result = f(&cached.rules, &cached.label_counts);
         let _ = CACHED_RULES.try_with(|cell| cell.set(Some(cached)));
         result
     }
@@ -744,6 +758,7 @@ impl Engine {
         plan: Plan,
         peek: bool,
         arrival: Arrival,
+        label_counts: Option<&[Arc<ThreadLabelCounts>]>,
     ) -> Outcome {
         let decided = if ops.is_empty() {
             Decided::Ready(Decisions::new())
@@ -758,13 +773,15 @@ impl Engine {
                 peek,
                 arrival,
                 DecidedAt::InBatch,
+                label_counts,
             )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = Arc::clone(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, &decisions, peek, arrival, DecidedAt::Now)
+                    let at = DecidedAt::Now;
+                    engine.finish(&loaded, &plan, &decisions, peek, arrival, at, None)
                 }))
             }
         }
@@ -806,6 +823,7 @@ impl Engine {
                 peek,
                 arrival,
                 DecidedAt::InBatch,
+                None,
             )),
             BatchDecided::Slots { first } => Outcome::Deferred(DeferredHit {
                 plan,
@@ -841,12 +859,14 @@ impl Engine {
             hit.peek,
             hit.arrival,
             DecidedAt::At(decided_at),
+            None,
         )
     }
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts
-    /// metrics once per evaluated rule. `synchronous`: decided while its
-    /// batch executes (see [`synchronous_elapsed_ns`]).
+    /// metrics once per evaluated rule, in this thread's cells of the rules'
+    /// label counters when given (`label_counts`, by rule position).
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
         loaded: &LoadedRules,
@@ -855,6 +875,7 @@ impl Engine {
         peek: bool,
         arrival: Arrival,
         decided_at: DecidedAt,
+        label_counts: Option<&[Arc<ThreadLabelCounts>]>,
     ) -> Reply {
         // By reference: the decision is copied once, into the reply.
         let mut last: Option<Result<&Decision, &BackendError>> = None;
@@ -878,10 +899,13 @@ impl Engine {
             let rule = &loaded.set.rules()[position];
             if let (Ok(decision), false) = (&result, peek) {
                 let canary = rule.match_policy == MatchPolicy::Canary;
-                self.metrics.hit_evaluated(
-                    &loaded.label_counters[position],
-                    HitStatus::new(decision.allowed, canary),
-                );
+                let status = HitStatus::new(decision.allowed, canary);
+                match label_counts.and_then(|counts| counts.get(position)) {
+                    Some(mine) => self.metrics.hit_evaluated_alone(mine, status),
+                    None => self
+                        .metrics
+                        .hit_evaluated(&loaded.label_counters[position], status),
+                }
                 if self.debug_rules {
                     tracing::debug!(
                         target: "divvy",

@@ -58,16 +58,53 @@ impl HitStatus {
     }
 }
 
-/// Hit counts of one rule label, by status.
+/// Hit counts of one rule label, by status: shared cells, and cells of one
+/// recording thread each ([`LabelCounters::cells_of_this_thread`]).
 #[derive(Debug, Default)]
 pub struct LabelCounters {
+    by_status: [AtomicU64; 4],
+    by_thread: Mutex<Vec<(std::thread::ThreadId, Arc<ThreadLabelCounts>)>>,
+}
+
+/// One thread's hit counts of a rule label, by status; only that thread
+/// adds to them ([`Metrics::hit_evaluated_alone`]).
+#[derive(Debug, Default)]
+pub struct ThreadLabelCounts {
     by_status: [AtomicU64; 4],
 }
 
 impl LabelCounters {
     pub fn get(&self, status: HitStatus) -> u64 {
-        self.by_status[status.index()].load(Ordering::Relaxed)
+        let by_thread: u64 = self
+            .by_thread
+            .lock()
+            .iter()
+            .map(|(_, counts)| counts.by_status[status.index()].load(Ordering::Relaxed))
+            .sum();
+        self.by_status[status.index()].load(Ordering::Relaxed) + by_thread
     }
+
+    /// This thread's cells of the label (made on its first call), for a
+    /// thread that records many hits of it: a caller keeps them and counts
+    /// with [`Metrics::hit_evaluated_alone`], no locked instruction.
+    pub fn cells_of_this_thread(&self) -> Arc<ThreadLabelCounts> {
+        cells_of_this_thread(&self.by_thread)
+    }
+}
+
+/// This thread's cells in a list of cells by thread, added on its first
+/// call.
+fn cells_of_this_thread<T: Default>(
+    by_thread: &Mutex<Vec<(std::thread::ThreadId, Arc<T>)>>,
+) -> Arc<T> {
+    let thread = std::thread::current().id();
+    let mut by_thread = by_thread.lock();
+    if let Some((_, mine)) = by_thread.iter().find(|(owner, _)| *owner == thread) {
+        return Arc::clone(mine);
+    }
+    let mine = Arc::new(T::default());
+    by_thread.push((thread, Arc::clone(&mine)));
+    mine
 }
 
 /// Every error code, in the order of [`Metrics::errors`]' cells.
@@ -264,14 +301,7 @@ impl HitDurationsByThread {
     /// This thread's cells, made on its first record.
     #[cold]
     fn register(&self) -> Arc<HitDurationCells> {
-        let thread = std::thread::current().id();
-        let mut cells = self.cells.lock();
-        if let Some((_, mine)) = cells.iter().find(|(owner, _)| *owner == thread) {
-            return Arc::clone(mine);
-        }
-        let mine = Arc::new(HitDurationCells::default());
-        cells.push((thread, Arc::clone(&mine)));
-        mine
+        cells_of_this_thread(&self.cells)
     }
 
     fn for_each(&self, mut read: impl FnMut(&HitDurationCells)) {
@@ -371,6 +401,13 @@ impl Metrics {
 
     pub fn hit_evaluated(&self, counters: &LabelCounters, status: HitStatus) {
         counters.by_status[status.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// [`Metrics::hit_evaluated`] in cells that only this thread writes
+    /// ([`LabelCounters::cells_of_this_thread`], taken on this thread).
+    #[inline]
+    pub fn hit_evaluated_alone(&self, counts: &ThreadLabelCounts, status: HitStatus) {
+        add_alone(&counts.by_status[status.index()], 1);
     }
 
     pub fn hit_duration(&self, elapsed: Duration) {
@@ -572,6 +609,31 @@ mod tests {
         let threads = REQUEST_SHARDS as u64 + 3;
         assert_eq!(metrics.requests(RequestProtocol::Divvy), 32 * threads);
         assert_eq!(metrics.requests(RequestProtocol::Droplet), threads);
+    }
+
+    #[test]
+    fn label_counts_add_up_over_shared_and_per_thread_cells() {
+        let metrics = Metrics::new();
+        let counters = metrics.label_counters("cookies");
+        std::thread::scope(|scope| {
+            for _ in 0..3 {
+                let (metrics, counters) = (&metrics, &counters);
+                scope.spawn(move || {
+                    let mine = counters.cells_of_this_thread();
+                    assert!(Arc::ptr_eq(&mine, &counters.cells_of_this_thread()));
+                    for _ in 0..10 {
+                        metrics.hit_evaluated_alone(&mine, HitStatus::Accepted);
+                    }
+                    metrics.hit_evaluated(counters, HitStatus::Rejected);
+                    metrics.hit_evaluated(counters, HitStatus::Accepted);
+                });
+            }
+        });
+        // The label's counters outlive the threads that counted.
+        let counters = metrics.label_counters("cookies");
+        assert_eq!(counters.get(HitStatus::Accepted), 33);
+        assert_eq!(counters.get(HitStatus::Rejected), 3);
+        assert_eq!(counters.get(HitStatus::CanaryAccepted), 0);
     }
 
     #[test]
