@@ -3,9 +3,9 @@
 //! counted, and a [`Reply`] comes out. Connections call [`Engine::execute`];
 //! nothing here touches a socket.
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Moment};
 use crate::limiter::{Decision, WindowQuota};
-use crate::metrics::{HitStatus, LabelCounters, Metrics};
+use crate::metrics::{HitStatus, LabelCounters, Metrics, ThreadLabelCounts};
 use crate::protocol::{encode_err, encode_ok, parse_line_into, split_line, ErrorCode, Pairs, Verb};
 use crate::rules::{CurrentRules, MatchPolicy, Quota, RuleSet};
 use crate::store::{
@@ -17,8 +17,8 @@ use futures_util::future::BoxFuture;
 use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 /// Most requests of one read planned, and their counters prefetched,
 /// before the first is decided ([`Engine::execute_hit_run`]).
@@ -172,7 +172,7 @@ pub struct LoadedRules {
 #[derive(Debug, Clone, Copy)]
 pub struct Arrival {
     /// For `divvy_hit_duration_seconds`: time from receipt to decision.
-    pub received: Instant,
+    pub received: Moment,
     /// The limiter's time (wall-clock milliseconds from the engine's clock).
     pub now_ms: u64,
 }
@@ -180,13 +180,13 @@ pub struct Arrival {
 /// When a request's decision was reached, for `divvy_hit_duration_seconds`.
 #[derive(Debug, Clone, Copy)]
 enum DecidedAt {
-    /// While its read's lines execute: see [`synchronous_elapsed`].
+    /// While its read's lines execute: see [`synchronous_elapsed_ns`].
     InBatch,
     /// Now: a backend's future for it resolved.
     Now,
-    /// At this instant, read once for a run of deferred hits answered
+    /// At this moment, read once for a run of deferred hits answered
     /// together.
-    At(Instant),
+    At(Moment),
 }
 
 /// Synchronous decisions of one batch that share a clock read for
@@ -196,7 +196,7 @@ const DECISIONS_PER_DURATION_READ: u32 = 16;
 thread_local! {
     /// The batch this thread last timed (its arrival), the instant its
     /// decisions are counted at, and how many used that instant.
-    static BATCH_TIMING: Cell<Option<(Instant, Instant, u32)>> = const { Cell::new(None) };
+    static BATCH_TIMING: Cell<Option<(Moment, Moment, u32)>> = const { Cell::new(None) };
 }
 
 /// Time from receipt to decision of a request decided while its batch
@@ -205,16 +205,16 @@ thread_local! {
 /// batch, and a read is taken for the first decision of a batch and then
 /// every few decisions. A duration is short by at most the time those few
 /// decisions took (microseconds; the histogram's buckets are milliseconds).
-fn synchronous_elapsed(received: Instant) -> Duration {
+fn synchronous_elapsed_ns(received: Moment) -> u64 {
     BATCH_TIMING.with(|cell| {
         let (decided_at, uses) = match cell.get() {
             Some((batch, at, uses)) if batch == received && uses < DECISIONS_PER_DURATION_READ => {
                 (at, uses + 1)
             }
-            _ => (Instant::now(), 1),
+            _ => (Moment::now(), 1),
         };
         cell.set(Some((received, decided_at, uses)));
-        decided_at.saturating_duration_since(received)
+        decided_at.saturating_nanos_since(received)
     })
 }
 
@@ -236,8 +236,31 @@ impl Step {
 
 type Plan = SmallVec<[Step; 2]>;
 
+/// Engines told apart by the per-thread rules cache ([`Engine::with_rules`]).
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(0);
+
+/// The rules a thread last executed with, of which engine and generation,
+/// and this thread's cells of each rule's label counters.
+struct CachedRules {
+    engine: u64,
+    generation: u64,
+    rules: Arc<LoadedRules>,
+    label_counts: Box<[Arc<ThreadLabelCounts>]>,
+}
+
+thread_local! {
+    /// [`Engine::with_rules`]'s copy of the served rules: a request reads
+    /// its engine's generation, a plain load, where `ArcSwap::load` and
+    /// its guard's drop are two atomic read-modify-writes.
+    static CACHED_RULES: Cell<Option<CachedRules>> = const { Cell::new(None) };
+}
+
 pub struct Engine {
     rules: ArcSwap<LoadedRules>,
+    /// Bumped after each [`Engine::replace_rules`]: threads' cached rules of
+    /// an older generation are loaded again.
+    rules_generation: AtomicU64,
+    id: u64,
     backend: Arc<dyn Backend>,
     clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
@@ -255,9 +278,13 @@ impl Engine {
         metrics: Arc<Metrics>,
         unavailable_policy: UnavailablePolicy,
     ) -> Engine {
+        // The monotonic clock is calibrated now, not on the first request.
+        Moment::calibrate();
         let loaded = Self::load(&metrics, rules);
         Engine {
             rules: ArcSwap::from_pointee(loaded),
+            rules_generation: AtomicU64::new(0),
+            id: NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed),
             backend,
             clock,
             metrics,
@@ -296,6 +323,7 @@ impl Engine {
     /// Counters of rules whose identity is unchanged keep counting.
     pub fn replace_rules(&self, set: RuleSet) {
         self.rules.store(Arc::new(Self::load(&self.metrics, set)));
+        self.rules_generation.fetch_add(1, Ordering::SeqCst);
     }
 
     pub fn rules(&self) -> Arc<LoadedRules> {
@@ -318,7 +346,7 @@ impl Engine {
     /// Reads the clock for a batch of lines that just arrived: one read
     /// gives both the instant and the limiter's wall time.
     pub fn arrival(&self) -> Arrival {
-        let received = Instant::now();
+        let received = Moment::now();
         Arrival {
             received,
             now_ms: self.clock.now_ms_at(received),
@@ -485,7 +513,7 @@ impl Engine {
                 Some(batch) => {
                     self.decide_in_batch(&loaded, &hit.ops, hit.plan, hit.peek, arrival, batch)
                 }
-                None => self.decide_planned(&loaded, &hit.ops, hit.plan, hit.peek, arrival),
+                None => self.decide_planned(&loaded, &hit.ops, hit.plan, hit.peek, arrival, None),
             };
             let closes = matches!(&outcome, Outcome::Now(reply) if reply.closes_connection());
             outcomes.push(outcome);
@@ -668,7 +696,7 @@ impl Engine {
         arrival: Arrival,
         decided_at: DecidedAt,
     ) -> OperationAnswer {
-        let reply = self.finish(loaded, plan, decisions, peek, arrival, decided_at);
+        let reply = self.finish(loaded, plan, &decisions, peek, arrival, decided_at, None);
         let rule = plan.last().map(|step| &loaded.set.rules()[step.position()]);
         OperationAnswer {
             reply,
@@ -677,14 +705,52 @@ impl Engine {
         }
     }
 
+    #[inline]
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
-        let loaded = self.rules.load();
-        let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
-        self.decide_planned(&loaded, &ops, plan, peek, arrival)
+        self.with_rules(|loaded, label_counts| {
+            let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
+            self.decide_planned(loaded, &ops, plan, peek, arrival, Some(label_counts))
+        })
+    }
+
+    /// Calls `f` with the rules being served, as [`Engine::rules`] gives
+    /// them, from this thread's copy while the engine's generation has not
+    /// changed (a request that began before a replacement finishes on the
+    /// old rules, as with `ArcSwap`), and this thread's cells of their
+    /// label counters. Reentrant: a nested call, which finds the copy
+    /// taken, loads the rules itself.
+    fn with_rules<R>(
+        &self,
+        f: impl FnOnce(&Arc<LoadedRules>, &[Arc<ThreadLabelCounts>]) -> R,
+    ) -> R {
+        // Read before the rules: a copy is never newer than its generation.
+        let generation = self.rules_generation.load(Ordering::Acquire);
+        // (`try_with`: a thread's destructors may still run requests' code.)
+        let cached = CACHED_RULES.try_with(Cell::take).ok().flatten();
+        let cached = match cached {
+            Some(cached) if cached.engine == self.id && cached.generation == generation => cached,
+            _ => {
+                let rules = self.rules.load_full();
+                CachedRules {
+                    engine: self.id,
+                    generation,
+                    label_counts: rules
+                        .label_counters
+                        .iter()
+                        .map(|counters| counters.cells_of_this_thread())
+                        .collect(),
+                    rules,
+                }
+            }
+        };
+        let result = f(&cached.rules, &cached.label_counts);
+        let _ = CACHED_RULES.try_with(|cell| cell.set(Some(cached)));
+        result
     }
 
     /// Decides a planned hit's `ops` on the backend; the reply follows
     /// `plan`.
+    #[inline]
     fn decide_planned(
         self: &Arc<Self>,
         loaded: &Arc<LoadedRules>,
@@ -692,6 +758,7 @@ impl Engine {
         plan: Plan,
         peek: bool,
         arrival: Arrival,
+        label_counts: Option<&[Arc<ThreadLabelCounts>]>,
     ) -> Outcome {
         let decided = if ops.is_empty() {
             Decided::Ready(Decisions::new())
@@ -699,20 +766,22 @@ impl Engine {
             self.backend.decide(ops, arrival.now_ms)
         };
         match decided {
-            Decided::Ready(decisions) => Outcome::Now(self.finish(
+            Decided::Ready(ref decisions) => Outcome::Now(self.finish(
                 loaded,
                 &plan,
                 decisions,
                 peek,
                 arrival,
                 DecidedAt::InBatch,
+                label_counts,
             )),
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = Arc::clone(loaded);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
-                    engine.finish(&loaded, &plan, decisions, peek, arrival, DecidedAt::Now)
+                    let at = DecidedAt::Now;
+                    engine.finish(&loaded, &plan, &decisions, peek, arrival, at, None)
                 }))
             }
         }
@@ -747,13 +816,14 @@ impl Engine {
             batch.ops.decide(ops, arrival.now_ms)
         };
         match decided {
-            BatchDecided::Ready(decisions) => Outcome::Now(self.finish(
+            BatchDecided::Ready(ref decisions) => Outcome::Now(self.finish(
                 loaded,
                 &plan,
                 decisions,
                 peek,
                 arrival,
                 DecidedAt::InBatch,
+                None,
             )),
             BatchDecided::Slots { first } => Outcome::Deferred(DeferredHit {
                 plan,
@@ -771,7 +841,7 @@ impl Engine {
         loaded: &LoadedRules,
         hit: &DeferredHit,
         answers: &SlotAnswers,
-        decided_at: Instant,
+        decided_at: Moment,
     ) -> Reply {
         let ops = hit
             .plan
@@ -779,9 +849,8 @@ impl Engine {
             .filter(|step| matches!(step, Step::Counter(..)))
             .count();
         let first = hit.first_slot as usize;
-        let decisions: Decisions = match answers.get(first..first + ops) {
-            Some(slots) => slots.iter().cloned().collect(),
-            None => return Reply::error("backend returned too few decisions"),
+        let Some(decisions) = answers.get(first..first + ops) else {
+            return Reply::error("backend returned too few decisions");
         };
         self.finish(
             loaded,
@@ -790,22 +859,26 @@ impl Engine {
             hit.peek,
             hit.arrival,
             DecidedAt::At(decided_at),
+            None,
         )
     }
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts
-    /// metrics once per evaluated rule. `synchronous`: decided while its
-    /// batch executes (see [`synchronous_elapsed`]).
+    /// metrics once per evaluated rule, in this thread's cells of the rules'
+    /// label counters when given (`label_counts`, by rule position).
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
         loaded: &LoadedRules,
         plan: &Plan,
-        decisions: Decisions,
+        decisions: &[Result<Decision, BackendError>],
         peek: bool,
         arrival: Arrival,
         decided_at: DecidedAt,
+        label_counts: Option<&[Arc<ThreadLabelCounts>]>,
     ) -> Reply {
-        let mut last: Option<Result<Decision, &BackendError>> = None;
+        // By reference: the decision is copied once, into the reply.
+        let mut last: Option<Result<&Decision, &BackendError>> = None;
         // A cluster shard that cannot decide is a backend failure, counted
         // here once per request (the Redis backend counts its own).
         if decisions
@@ -815,21 +888,24 @@ impl Engine {
             self.metrics.backend_error();
         }
         for step in plan {
-            let (position, result) = match *step {
-                Step::Fixed(position, decision) => (position, Ok(decision)),
-                Step::Counter(position, op) => match decisions.get(op) {
-                    Some(Ok(decision)) => (position, Ok(*decision)),
-                    Some(Err(error)) => (position, Err(error)),
+            let (position, result) = match step {
+                Step::Fixed(position, decision) => (*position, Ok(decision)),
+                Step::Counter(position, op) => match decisions.get(*op) {
+                    Some(Ok(decision)) => (*position, Ok(decision)),
+                    Some(Err(error)) => (*position, Err(error)),
                     None => return Reply::error("backend returned too few decisions"),
                 },
             };
             let rule = &loaded.set.rules()[position];
             if let (Ok(decision), false) = (&result, peek) {
                 let canary = rule.match_policy == MatchPolicy::Canary;
-                self.metrics.hit_evaluated(
-                    &loaded.label_counters[position],
-                    HitStatus::new(decision.allowed, canary),
-                );
+                let status = HitStatus::new(decision.allowed, canary);
+                match label_counts.and_then(|counts| counts.get(position)) {
+                    Some(mine) => self.metrics.hit_evaluated_alone(mine, status),
+                    None => self
+                        .metrics
+                        .hit_evaluated(&loaded.label_counters[position], status),
+                }
                 if self.debug_rules {
                     tracing::debug!(
                         target: "divvy",
@@ -845,13 +921,13 @@ impl Engine {
         match last {
             Some(Ok(decision)) => {
                 if !peek {
-                    self.metrics.hit_duration(match decided_at {
-                        DecidedAt::InBatch => synchronous_elapsed(arrival.received),
-                        DecidedAt::Now => arrival.received.elapsed(),
-                        DecidedAt::At(at) => at.saturating_duration_since(arrival.received),
+                    self.metrics.hit_duration_ns(match decided_at {
+                        DecidedAt::InBatch => synchronous_elapsed_ns(arrival.received),
+                        DecidedAt::Now => Moment::now().saturating_nanos_since(arrival.received),
+                        DecidedAt::At(at) => at.saturating_nanos_since(arrival.received),
                     });
                 }
-                Reply::Decision(decision)
+                Reply::Decision(*decision)
             }
             Some(Err(error)) => self.unavailable(loaded, plan, error),
             None => Reply::error("no rule matched"),
@@ -940,6 +1016,34 @@ mod tests {
                 return (replies, from_runs);
             }
         }
+    }
+
+    #[test]
+    fn each_request_sees_its_own_engines_rules_and_the_latest_replacement() {
+        let (first, second) = (engine(), engine());
+        second.replace_rules(
+            RuleSet::from_ini("[default]\ncreditLimit = 7\nresetSeconds = 60\n").unwrap(),
+        );
+        // One thread alternating between engines: the cached rules of one
+        // are never used for the other.
+        for _ in 0..3 {
+            let line = b"PEEK path=/other";
+            assert_eq!(
+                encoded(first.execute(line, first.arrival())),
+                "OK true 99 60\n"
+            );
+            assert_eq!(
+                encoded(second.execute(line, second.arrival())),
+                "OK true 6 60\n"
+            );
+        }
+        // A replacement is seen by the next request of a thread that cached
+        // the rules before it.
+        first.replace_rules(
+            RuleSet::from_ini("[default]\ncreditLimit = 5\nresetSeconds = 60\n").unwrap(),
+        );
+        let peek = encoded(first.execute(b"PEEK path=/other", first.arrival()));
+        assert_eq!(peek, "OK true 4 60\n");
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! counters never go backwards. Nothing here formats or sends anything: the
 //! exporters in [`crate::observability`] read these cells when they run, so
 //! the cost on the request path is a few relaxed atomic additions (plus one
-//! push onto a per-thread bounded queue per HIT while statsd is on).
+//! push onto a per-thread bounded queue per HIT while statsd is on). The
+//! HIT duration histogram, recorded on every HIT, is kept in cells of one
+//! thread each, added to without a locked instruction and summed when read.
 
 use crate::protocol::ErrorCode;
 use crossbeam_queue::ArrayQueue;
@@ -56,16 +58,53 @@ impl HitStatus {
     }
 }
 
-/// Hit counts of one rule label, by status.
+/// Hit counts of one rule label, by status: shared cells, and cells of one
+/// recording thread each ([`LabelCounters::cells_of_this_thread`]).
 #[derive(Debug, Default)]
 pub struct LabelCounters {
+    by_status: [AtomicU64; 4],
+    by_thread: Mutex<Vec<(std::thread::ThreadId, Arc<ThreadLabelCounts>)>>,
+}
+
+/// One thread's hit counts of a rule label, by status; only that thread
+/// adds to them ([`Metrics::hit_evaluated_alone`]).
+#[derive(Debug, Default)]
+pub struct ThreadLabelCounts {
     by_status: [AtomicU64; 4],
 }
 
 impl LabelCounters {
     pub fn get(&self, status: HitStatus) -> u64 {
-        self.by_status[status.index()].load(Ordering::Relaxed)
+        let by_thread: u64 = self
+            .by_thread
+            .lock()
+            .iter()
+            .map(|(_, counts)| counts.by_status[status.index()].load(Ordering::Relaxed))
+            .sum();
+        self.by_status[status.index()].load(Ordering::Relaxed) + by_thread
     }
+
+    /// This thread's cells of the label (made on its first call), for a
+    /// thread that records many hits of it: a caller keeps them and counts
+    /// with [`Metrics::hit_evaluated_alone`], no locked instruction.
+    pub fn cells_of_this_thread(&self) -> Arc<ThreadLabelCounts> {
+        cells_of_this_thread(&self.by_thread)
+    }
+}
+
+/// This thread's cells in a list of cells by thread, added on its first
+/// call.
+fn cells_of_this_thread<T: Default>(
+    by_thread: &Mutex<Vec<(std::thread::ThreadId, Arc<T>)>>,
+) -> Arc<T> {
+    let thread = std::thread::current().id();
+    let mut by_thread = by_thread.lock();
+    if let Some((_, mine)) = by_thread.iter().find(|(owner, _)| *owner == thread) {
+        return Arc::clone(mine);
+    }
+    let mine = Arc::new(T::default());
+    by_thread.push((thread, Arc::clone(&mine)));
+    mine
 }
 
 /// Every error code, in the order of [`Metrics::errors`]' cells.
@@ -197,6 +236,81 @@ impl HitTimings {
     }
 }
 
+/// `divvy_hit_duration_seconds` as one thread counts it.
+#[derive(Debug, Default)]
+struct HitDurationCells {
+    /// Counts per bucket of [`HIT_DURATION_BUCKETS_SECONDS`], plus one for +Inf.
+    buckets: [AtomicU64; 7],
+    sum_ns: AtomicU64,
+}
+
+/// Adds to a cell that only this thread writes: a plain load and store, not
+/// an atomic read-modify-write (a locked instruction, about 6 ns here), and
+/// readers on other threads still see whole values.
+#[inline(always)]
+fn add_alone(cell: &AtomicU64, n: u64) {
+    cell.store(
+        cell.load(Ordering::Relaxed).wrapping_add(n),
+        Ordering::Relaxed,
+    );
+}
+
+/// Distinguishes [`HitDurationsByThread`] in threads' caches.
+static NEXT_HIT_DURATIONS_ID: AtomicU64 = AtomicU64::new(0);
+
+/// A histogram kept in one set of cells per recording thread, which only
+/// that thread writes ([`add_alone`]); readers add up every thread's. A
+/// thread finds its cells through a one-entry thread-local cache, and
+/// registers new ones (under a lock, once per thread and histogram) when
+/// the cache holds another histogram's.
+#[derive(Debug)]
+struct HitDurationsByThread {
+    id: u64,
+    cells: Mutex<Vec<(std::thread::ThreadId, Arc<HitDurationCells>)>>,
+}
+
+impl Default for HitDurationsByThread {
+    fn default() -> Self {
+        HitDurationsByThread {
+            id: NEXT_HIT_DURATIONS_ID.fetch_add(1, Ordering::Relaxed),
+            cells: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's cells of the histogram it recorded in last, by id.
+    static MY_HIT_DURATION_CELLS: Cell<Option<(u64, Arc<HitDurationCells>)>> =
+        const { Cell::new(None) };
+}
+
+impl HitDurationsByThread {
+    /// Calls `record` with this thread's cells.
+    #[inline]
+    fn with_mine(&self, record: impl FnOnce(&HitDurationCells)) {
+        // (`try_with`: a thread's destructors may still record.)
+        let cached = MY_HIT_DURATION_CELLS.try_with(Cell::take).ok().flatten();
+        let mine = match cached {
+            Some((id, cells)) if id == self.id => cells,
+            _ => self.register(),
+        };
+        record(&mine);
+        let _ = MY_HIT_DURATION_CELLS.try_with(|cell| cell.set(Some((self.id, mine))));
+    }
+
+    /// This thread's cells, made on its first record.
+    #[cold]
+    fn register(&self) -> Arc<HitDurationCells> {
+        cells_of_this_thread(&self.cells)
+    }
+
+    fn for_each(&self, mut read: impl FnMut(&HitDurationCells)) {
+        for (_, cells) in self.cells.lock().iter() {
+            read(cells);
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Metrics {
     connections_open: AtomicI64,
@@ -204,9 +318,8 @@ pub struct Metrics {
     connections_refused: AtomicU64,
     errors: [AtomicU64; 2],
     labels: Mutex<HashMap<String, Arc<LabelCounters>>>,
-    /// Counts per bucket of [`HIT_DURATION_BUCKETS_SECONDS`], plus one for +Inf.
-    hit_duration_buckets: [AtomicU64; 7],
-    hit_duration_sum_ns: AtomicU64,
+    /// `divvy_hit_duration_seconds`, in cells of one recording thread each.
+    hit_durations: HitDurationsByThread,
     backend_errors: AtomicU64,
     /// Inverted so that the default (`false`) means healthy.
     backend_unhealthy: AtomicBool,
@@ -290,16 +403,30 @@ impl Metrics {
         counters.by_status[status.index()].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// [`Metrics::hit_evaluated`] in cells that only this thread writes
+    /// ([`LabelCounters::cells_of_this_thread`], taken on this thread).
+    #[inline]
+    pub fn hit_evaluated_alone(&self, counts: &ThreadLabelCounts, status: HitStatus) {
+        add_alone(&counts.by_status[status.index()], 1);
+    }
+
     pub fn hit_duration(&self, elapsed: Duration) {
-        let nanos = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.hit_duration_ns(u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    /// [`Metrics::hit_duration`] in nanoseconds.
+    #[inline]
+    pub fn hit_duration_ns(&self, nanos: u64) {
         let bucket = HIT_DURATION_BUCKETS_NS
             .iter()
             .position(|&bound| nanos <= bound)
             .unwrap_or(HIT_DURATION_BUCKETS_NS.len());
-        self.hit_duration_buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.hit_duration_sum_ns.fetch_add(nanos, Ordering::Relaxed);
+        self.hit_durations.with_mine(|cells| {
+            add_alone(&cells.buckets[bucket], 1);
+            add_alone(&cells.sum_ns, nanos);
+        });
         if let Some(timings) = self.hit_timings.get() {
-            timings.push(u32::try_from(elapsed.as_micros()).unwrap_or(u32::MAX));
+            timings.push(u32::try_from(nanos / 1_000).unwrap_or(u32::MAX));
         }
     }
 
@@ -312,9 +439,14 @@ impl Metrics {
 
     /// Non-cumulative counts per bucket (last is +Inf) and the sum in seconds.
     pub fn hit_durations(&self) -> ([u64; 7], f64) {
-        let counts = std::array::from_fn(|i| self.hit_duration_buckets[i].load(Ordering::Relaxed));
-        let sum = self.hit_duration_sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        (counts, sum)
+        let (mut counts, mut sum_ns) = ([0; 7], 0u64);
+        self.hit_durations.for_each(|cells| {
+            for (count, cell) in counts.iter_mut().zip(&cells.buckets) {
+                *count += cell.load(Ordering::Relaxed);
+            }
+            sum_ns = sum_ns.wrapping_add(cells.sum_ns.load(Ordering::Relaxed));
+        });
+        (counts, sum_ns as f64 / 1e9)
     }
 
     /// A gRPC call of `method` ended with status `code` (0 to 16; larger
@@ -477,6 +609,58 @@ mod tests {
         let threads = REQUEST_SHARDS as u64 + 3;
         assert_eq!(metrics.requests(RequestProtocol::Divvy), 32 * threads);
         assert_eq!(metrics.requests(RequestProtocol::Droplet), threads);
+    }
+
+    #[test]
+    fn label_counts_add_up_over_shared_and_per_thread_cells() {
+        let metrics = Metrics::new();
+        let counters = metrics.label_counters("cookies");
+        std::thread::scope(|scope| {
+            for _ in 0..3 {
+                let (metrics, counters) = (&metrics, &counters);
+                scope.spawn(move || {
+                    let mine = counters.cells_of_this_thread();
+                    assert!(Arc::ptr_eq(&mine, &counters.cells_of_this_thread()));
+                    for _ in 0..10 {
+                        metrics.hit_evaluated_alone(&mine, HitStatus::Accepted);
+                    }
+                    metrics.hit_evaluated(counters, HitStatus::Rejected);
+                    metrics.hit_evaluated(counters, HitStatus::Accepted);
+                });
+            }
+        });
+        // The label's counters outlive the threads that counted.
+        let counters = metrics.label_counters("cookies");
+        assert_eq!(counters.get(HitStatus::Accepted), 33);
+        assert_eq!(counters.get(HitStatus::Rejected), 3);
+        assert_eq!(counters.get(HitStatus::CanaryAccepted), 0);
+    }
+
+    #[test]
+    fn hit_durations_add_up_over_threads_and_histograms() {
+        let (first, second) = (Metrics::new(), Metrics::new());
+        std::thread::scope(|scope| {
+            for thread in 0..4u64 {
+                let (first, second) = (&first, &second);
+                scope.spawn(move || {
+                    // Alternating histograms: each registers this thread's
+                    // cells once and finds them again.
+                    for i in 0..100 {
+                        first.hit_duration_ns(1_500_000);
+                        if i % 10 == 0 {
+                            second.hit_duration_ns(thread);
+                        }
+                    }
+                });
+            }
+        });
+        let (counts, sum) = first.hit_durations();
+        assert_eq!(counts, [0, 400, 0, 0, 0, 0, 0]);
+        assert!((sum - 0.6).abs() < 1e-9, "{sum}");
+        let (counts, sum) = second.hit_durations();
+        assert_eq!(counts, [40, 0, 0, 0, 0, 0, 0]);
+        assert!((sum - 60e-9).abs() < 1e-15, "{sum}");
+        assert_eq!(first.hit_durations.cells.lock().len(), 4);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
+use crate::clock::Moment;
 use crate::engine::{DeferredHit, Engine, EngineBatch, Outcome, Reply, READ_AHEAD_LINES_MAX};
 use crate::metrics::RequestProtocol;
 use crate::protocol::split_line;
@@ -361,7 +362,7 @@ impl Connection {
                     Some(answers) => answers.await,
                     None => Vec::new(),
                 };
-                let decided_at = std::time::Instant::now();
+                let decided_at = Moment::now();
                 run.into_iter()
                     .map(|item| match item {
                         RunItem::Ready(reply) => reply,
