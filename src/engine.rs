@@ -252,7 +252,9 @@ thread_local! {
     /// [`Engine::with_rules`]'s copy of the served rules: a request reads
     /// its engine's generation, a plain load, where `ArcSwap::load` and
     /// its guard's drop are two atomic read-modify-writes.
-    static CACHED_RULES: Cell<Option<CachedRules>> = const { Cell::new(None) };
+    /// Boxed: taken out and put back by every request, it then moves as
+    /// one pointer.
+    static CACHED_RULES: Cell<Option<Box<CachedRules>>> = const { Cell::new(None) };
 }
 
 pub struct Engine {
@@ -437,7 +439,6 @@ impl Engine {
         }
     }
 
-    /// The counter ops and the reply plan of a hit under `loaded`.
     /// Executes a run of `HIT`/`PEEK` lines at the start of `unread` in two
     /// passes: every line is parsed and matched and its counters' store
     /// lines prefetched, then each is decided in order. A read of many
@@ -507,13 +508,16 @@ impl Engine {
         store.prefetch_hashes(&hashes);
         // Pass 2: decide, in order.
         let mut used_bytes = 0;
-        for hit in planned {
+        for mut hit in planned {
             used_bytes += hit.used;
             let outcome = match batch.as_deref_mut() {
                 Some(batch) => {
                     self.decide_in_batch(&loaded, &hit.ops, hit.plan, hit.peek, arrival, batch)
                 }
-                None => self.decide_planned(&loaded, &hit.ops, hit.plan, hit.peek, arrival, None),
+                None => {
+                    let plan = &mut hit.plan;
+                    self.decide_planned(&loaded, &hit.ops, plan, hit.peek, arrival, None)
+                }
             };
             let closes = matches!(&outcome, Outcome::Now(reply) if reply.closes_connection());
             outcomes.push(outcome);
@@ -524,6 +528,10 @@ impl Engine {
         used_bytes
     }
 
+    /// The counter ops and the reply plan of a hit under `loaded`
+    /// (inlined: returned by value, the two vectors were moved through the
+    /// stack twice per request).
+    #[inline(always)]
     fn plan_hit<'a, 'p: 'a>(
         loaded: &'a LoadedRules,
         pairs: &Pairs<'p>,
@@ -535,6 +543,7 @@ impl Engine {
     /// [`Engine::plan_hit`] for `hits` hits of one operation in a row (at
     /// least one): the one hit's rules evaluated `hits` times, so that each
     /// backend decides them in order within one call.
+    #[inline(always)]
     fn plan_hits<'a, 'p: 'a>(
         loaded: &'a LoadedRules,
         pairs: &Pairs<'p>,
@@ -543,6 +552,21 @@ impl Engine {
     ) -> (SmallVec<[CounterOp<'a>; 2]>, Plan) {
         let mut ops: SmallVec<[CounterOp<'a>; 2]> = SmallVec::new();
         let mut plan = Plan::new();
+        Self::plan_hits_into(loaded, pairs, peek, hits, &mut ops, &mut plan);
+        (ops, plan)
+    }
+
+    /// [`Engine::plan_hits`] into `ops` and `plan` (empty), where the
+    /// caller keeps them: the hot path's form, which moves nothing.
+    #[inline(always)]
+    fn plan_hits_into<'a, 'p: 'a>(
+        loaded: &'a LoadedRules,
+        pairs: &Pairs<'p>,
+        peek: bool,
+        hits: u32,
+        ops: &mut SmallVec<[CounterOp<'a>; 2]>,
+        plan: &mut Plan,
+    ) {
         let mut evaluated = loaded.set.evaluate(pairs);
         while let Some(rule) = evaluated.next() {
             let step = match rule.quota {
@@ -584,7 +608,6 @@ impl Engine {
                 plan.push(step);
             }
         }
-        (ops, plan)
     }
 
     /// Decides one operation given as pairs rather than as a line (Envoy's
@@ -708,8 +731,10 @@ impl Engine {
     #[inline]
     fn hit(self: &Arc<Self>, pairs: &Pairs<'_>, peek: bool, arrival: Arrival) -> Outcome {
         self.with_rules(|loaded, label_counts| {
-            let (ops, plan) = Self::plan_hit(loaded, pairs, peek);
-            self.decide_planned(loaded, &ops, plan, peek, arrival, Some(label_counts))
+            let mut ops = SmallVec::new();
+            let mut plan = Plan::new();
+            Self::plan_hits_into(loaded, pairs, peek, 1, &mut ops, &mut plan);
+            self.decide_planned(loaded, &ops, &mut plan, peek, arrival, Some(label_counts))
         })
     }
 
@@ -719,6 +744,7 @@ impl Engine {
     /// old rules, as with `ArcSwap`), and this thread's cells of their
     /// label counters. Reentrant: a nested call, which finds the copy
     /// taken, loads the rules itself.
+    #[inline(always)]
     fn with_rules<R>(
         &self,
         f: impl FnOnce(&Arc<LoadedRules>, &[Arc<ThreadLabelCounts>]) -> R,
@@ -731,7 +757,7 @@ impl Engine {
             Some(cached) if cached.engine == self.id && cached.generation == generation => cached,
             _ => {
                 let rules = self.rules.load_full();
-                CachedRules {
+                Box::new(CachedRules {
                     engine: self.id,
                     generation,
                     label_counts: rules
@@ -740,7 +766,7 @@ impl Engine {
                         .map(|counters| counters.cells_of_this_thread())
                         .collect(),
                     rules,
-                }
+                })
             }
         };
         let result = f(&cached.rules, &cached.label_counts);
@@ -755,7 +781,7 @@ impl Engine {
         self: &Arc<Self>,
         loaded: &Arc<LoadedRules>,
         ops: &[CounterOp<'_>],
-        plan: Plan,
+        plan: &mut Plan,
         peek: bool,
         arrival: Arrival,
         label_counts: Option<&[Arc<ThreadLabelCounts>]>,
@@ -768,7 +794,7 @@ impl Engine {
         match decided {
             Decided::Ready(ref decisions) => Outcome::Now(self.finish(
                 loaded,
-                &plan,
+                plan,
                 decisions,
                 peek,
                 arrival,
@@ -778,6 +804,7 @@ impl Engine {
             Decided::Later(future) => {
                 let engine = Arc::clone(self);
                 let loaded = Arc::clone(loaded);
+                let plan = std::mem::take(plan);
                 Outcome::Later(Box::pin(async move {
                     let decisions = future.await;
                     let at = DecidedAt::Now;
@@ -867,6 +894,7 @@ impl Engine {
     /// metrics once per evaluated rule, in this thread's cells of the rules'
     /// label counters when given (`label_counts`, by rule position).
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn finish(
         &self,
         loaded: &LoadedRules,
