@@ -644,10 +644,11 @@ mod tests {
         }
     }
 
-    /// `(shard, end, forwarding peers of the waiters)` of what ended.
-    fn ends_with_peers(ended: &[Ended]) -> Vec<(u32, SectionEnd, Vec<NodeId>)> {
+    /// `(shard, end, forwarding peers of the waiters)` of what ended,
+    /// taken (the next step starts from none).
+    fn take_ends(ended: &mut Vec<Ended>) -> Vec<(u32, SectionEnd, Vec<NodeId>)> {
         ended
-            .iter()
+            .drain(..)
             .map(|e| {
                 let peers = e
                     .waiters
@@ -657,7 +658,7 @@ mod tests {
                         Waiter::Local { .. } => 0,
                     })
                     .collect();
-                (e.shard, e.end.clone(), peers)
+                (e.shard, e.end, peers)
             })
             .collect()
     }
@@ -671,7 +672,7 @@ mod tests {
         // waiter is answered by the leader.
         flight.ack(2, 1, &[], &mut ended);
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![3])]
         );
         assert!(flight.is_empty());
@@ -692,26 +693,24 @@ mod tests {
         assert!(ended.is_empty(), "node 3 may still hold it");
         flight.ack(3, 1, &[], &mut ended);
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![3, 2, 2])]
         );
         assert!(flight.is_empty());
 
         // Refused after it committed through node 3: answered at once.
         let mut flight = InFlight::new(1);
-        ended.clear();
         flight.record(Instant::now(), vec![answered_with_round(0)], &mut ended);
         flight.ack(3, 1, &[], &mut ended);
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![3])]
         );
         assert!(!flight.is_empty(), "kept until node 2 says how it went");
         assert!(!flight.holds(0), "but no longer waiting for a commit");
-        ended.clear();
         flight.ack(2, 1, &[(1, 0, ApplyRefusal::NotReplica)], &mut ended);
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![2, 2])]
         );
         assert!(flight.is_empty());
@@ -730,19 +729,18 @@ mod tests {
         ended.clear();
         flight.disconnected(2, &mut ended);
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![2, 2])]
         );
         // Round 2's answers to node 2 went back to waiting with the rest
         // (the link broke), and it times out: every waiter gets that.
-        ended.clear();
         flight.expire(
             start + Duration::from_millis(150),
             Duration::from_millis(100),
             &mut ended,
         );
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(1, SectionEnd::TimedOut(100), vec![3, 2, 2])]
         );
         assert!(flight.is_empty());
@@ -750,7 +748,6 @@ mod tests {
         // A replica silent past the timeout: its answers go again with the
         // section's end.
         let mut flight = InFlight::new(1);
-        ended.clear();
         flight.record(start, vec![answered_with_round(0)], &mut ended);
         flight.ack(3, 1, &[], &mut ended);
         ended.clear();
@@ -760,7 +757,7 @@ mod tests {
             &mut ended,
         );
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![2, 2])]
         );
         assert!(flight.is_empty());
@@ -785,12 +782,11 @@ mod tests {
         ended.clear();
         flight.ack(3, 1, &[], &mut ended);
         assert_eq!(
-            ends_with_peers(&ended),
+            take_ends(&mut ended),
             vec![(0, SectionEnd::Committed, vec![3, 2, 2])]
         );
         // Queued for nobody else who could make a majority: it cannot commit.
         let mut flight = InFlight::new(1);
-        ended.clear();
         flight.record(
             Instant::now(),
             vec![section(0, &[1, 2, 3], &[2, 3])],
