@@ -27,6 +27,7 @@ use futures_util::future::BoxFuture;
 use futures_util::task::AtomicWaker;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
+use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -244,6 +245,14 @@ impl ForwardWait {
     }
 }
 
+/// How [`ClusterBatch::route`] left an op.
+enum Routed {
+    /// A rule's hit decided here, answered now (nothing waits for it).
+    Now(Decision),
+    /// Its slot's answer (decided, waiting or to be routed again).
+    Slot(SlotAnswer),
+}
+
 /// A state decided here while building the batch.
 struct LocalState {
     key_at: u32,
@@ -262,6 +271,43 @@ struct PeerForward {
     peer: NodeId,
     slots: SmallVec<[u32; 16]>,
     ops_at: SmallVec<[(u32, u32); 16]>,
+}
+
+/// The buffers a batch uses only while it is built, handed to the thread's
+/// next batch (a connection reads and submits one batch at a time), so that
+/// a read batch does not allocate and grow them again.
+#[derive(Default)]
+struct BatchBuffers {
+    keys: Vec<u8>,
+    states: Vec<LocalState>,
+    key_buf: Vec<u8>,
+}
+
+/// Largest buffers kept for the next batch, in bytes each: a batch of a
+/// huge read gives its buffers back to the allocator.
+const SPARE_BUFFER_BYTES_MAX: usize = 64 * 1024;
+
+thread_local! {
+    static SPARE_BUFFERS: Cell<Option<BatchBuffers>> = const { Cell::new(None) };
+}
+
+impl BatchBuffers {
+    /// Keeps the buffers for the thread's next batch, emptied, unless one
+    /// of them grew past [`SPARE_BUFFER_BYTES_MAX`].
+    fn keep(mut self) {
+        let bytes = |capacity: usize, size: usize| capacity.saturating_mul(size);
+        if bytes(self.keys.capacity(), 1) > SPARE_BUFFER_BYTES_MAX
+            || bytes(self.states.capacity(), std::mem::size_of::<LocalState>())
+                > SPARE_BUFFER_BYTES_MAX
+            || bytes(self.key_buf.capacity(), 1) > SPARE_BUFFER_BYTES_MAX
+        {
+            return;
+        }
+        self.keys.clear();
+        self.states.clear();
+        self.key_buf.clear();
+        SPARE_BUFFERS.set(Some(self));
+    }
 }
 
 /// Capacity of a batch's slot list when its first slot is added (a typical
@@ -284,40 +330,47 @@ pub struct ClusterBatch {
 
 impl ClusterBatch {
     pub fn new(dp: Arc<DataPlane>) -> ClusterBatch {
+        let BatchBuffers {
+            keys,
+            states,
+            key_buf,
+        } = SPARE_BUFFERS.take().unwrap_or_default();
         ClusterBatch {
             dp,
             slots: Vec::new(),
             ops: Vec::new(),
-            keys: Vec::new(),
-            states: Vec::new(),
+            keys,
+            states,
             forwards: SmallVec::new(),
-            key_buf: Vec::with_capacity(64),
+            key_buf,
             deadline: None,
         }
     }
 
-    /// Routes one op (see the module doc); returns its slot's answer. A
-    /// forwarded op is encoded at the end of the batch's `ops` here.
-    fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> SlotAnswer {
+    /// Routes one op (see the module doc): a rule's hit decided here and
+    /// answered at once, or its slot's answer. A forwarded op is encoded at
+    /// the end of the batch's `ops` here.
+    fn route(&mut self, slot: u32, shard: u32, op: &OpView<'_>, now_ms: u64) -> Routed {
         if let Some(bucket) = &op.bucket {
             if self.dp.leaders.leader(shard) == Some(self.dp.me) {
-                return self.decide_bucket_here(slot, shard, op.key, bucket, op.peek, now_ms);
+                let answer = self.decide_bucket_here(slot, shard, op.key, bucket, op.peek, now_ms);
+                return Routed::Slot(answer);
             }
         }
         let dp: &DataPlane = &self.dp;
-        match dp.leaders.leader(shard) {
+        Routed::Slot(match dp.leaders.leader(shard) {
             None => SlotAnswer::Retry(ShardRefusal::NoLeader),
             Some(leader) if leader == dp.me => {
                 let guard = dp.replica_ref(shard);
                 let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
-                    return SlotAnswer::Retry(ShardRefusal::NotReplicated(dp.me));
+                    return Routed::Slot(SlotAnswer::Retry(ShardRefusal::NotReplicated(dp.me)));
                 };
                 match replica.decide(&dp.store, op, now_ms) {
                     LocalDecision::Decided {
                         decision,
                         changed: None,
                         ..
-                    } => SlotAnswer::Done(Ok(Answer::Hit(decision))),
+                    } => return Routed::Now(decision),
                     LocalDecision::Decided {
                         decision,
                         changed: Some(state),
@@ -334,11 +387,10 @@ impl ClusterBatch {
                             state,
                             wait: strict.then_some((slot, decision.into())),
                         });
-                        if strict {
-                            SlotAnswer::Pending
-                        } else {
-                            SlotAnswer::Done(Ok(Answer::Hit(decision)))
+                        if !strict {
+                            return Routed::Now(decision);
                         }
+                        SlotAnswer::Pending
                     }
                     LocalDecision::Full(full) => SlotAnswer::Done(Err(BackendError::Full(full))),
                     LocalDecision::Refused(why) => SlotAnswer::Retry(why),
@@ -364,7 +416,7 @@ impl ClusterBatch {
                 forward.ops_at.push(encode_op(&mut self.ops, op));
                 SlotAnswer::Pending
             }
-        }
+        })
     }
 
     /// Decides a droplet bucket's take or query here, as its shard's
@@ -452,14 +504,29 @@ impl ClusterBatch {
 
     /// Adds one op as the next slot; returns whether it waits.
     fn add(&mut self, shard: u32, op: &OpView<'_>, now_ms: u64) -> bool {
-        if self.slots.capacity() == 0 {
-            self.slots.reserve(BATCH_SLOTS_INITIAL);
-        }
         let slot = self.slots.len() as u32;
         // Where this op is (or will be) encoded: every waiting op once, in
         // order, the forwarded ones by `route`.
         let encoded = self.ops.len();
-        let answer = self.route(slot, shard, op, now_ms);
+        let answer = match self.route(slot, shard, op, now_ms) {
+            Routed::Now(decision) => SlotAnswer::Done(Ok(Answer::Hit(decision))),
+            Routed::Slot(answer) => answer,
+        };
+        self.push_slot(shard, op, encoded, answer)
+    }
+
+    /// Appends a routed op's slot (`encoded`: the batch's `ops` length before
+    /// it was routed); returns whether it waits.
+    fn push_slot(
+        &mut self,
+        shard: u32,
+        op: &OpView<'_>,
+        encoded: usize,
+        answer: SlotAnswer,
+    ) -> bool {
+        if self.slots.capacity() == 0 {
+            self.slots.reserve(BATCH_SLOTS_INITIAL);
+        }
         let waits = !matches!(answer, SlotAnswer::Done(_));
         let op_at = if waits {
             if encoded == self.ops.len() {
@@ -490,6 +557,7 @@ impl ClusterBatch {
             keys,
             states,
             forwards,
+            key_buf,
             ..
         } = *self;
         if slots.is_empty() {
@@ -499,6 +567,12 @@ impl ClusterBatch {
                     (key, decided(s, None))
                 }));
             }
+            BatchBuffers {
+                keys,
+                states,
+                key_buf,
+            }
+            .keep();
             return None;
         }
         // The ops join the board once the forwards are sent from them.
@@ -509,6 +583,12 @@ impl ClusterBatch {
                 (key, decided(s, Some(&board)))
             }));
         }
+        BatchBuffers {
+            keys,
+            states,
+            key_buf,
+        }
+        .keep();
         for forward in forwards {
             let op_bytes = forward
                 .ops_at
@@ -628,6 +708,10 @@ impl OpBatch for ClusterBatch {
     fn decide(&mut self, ops: &[CounterOp<'_>], now_ms: u64) -> BatchDecided {
         let first = self.slots.len();
         let mut waits = false;
+        // While every op of the request is answered at once (a leader-aware
+        // client's hits, in fast mode), the answers go straight into the
+        // request's decisions: no slot is written and read back.
+        let mut ready = Decisions::new();
         let mut key = std::mem::take(&mut self.key_buf);
         for op in ops {
             cluster_key(&mut key, op);
@@ -640,13 +724,32 @@ impl OpBatch for ClusterBatch {
                 bucket: None,
             };
             let shard = self.dp.placement.shard_of(&key);
-            waits |= self.add(shard, &view, now_ms);
+            if self.slots.len() > first {
+                waits |= self.add(shard, &view, now_ms);
+                continue;
+            }
+            let encoded = self.ops.len();
+            match self.route((first + ready.len()) as u32, shard, &view, now_ms) {
+                Routed::Now(decision) => ready.push(Ok(decision)),
+                Routed::Slot(answer) => {
+                    // This op needs its slot, so the request's earlier ops
+                    // take theirs first (a done slot's shard is never read).
+                    for decided in ready.drain(..) {
+                        let answer = SlotAnswer::Done(decided.map(Answer::Hit));
+                        self.push_slot(shard, &view, encoded, answer);
+                    }
+                    waits |= self.push_slot(shard, &view, encoded, answer);
+                }
+            }
         }
         self.key_buf = key;
         if waits {
             return BatchDecided::Slots {
                 first: first as u32,
             };
+        }
+        if self.slots.len() == first {
+            return BatchDecided::Ready(ready);
         }
         let decisions: Decisions = self
             .slots

@@ -252,3 +252,51 @@ fn the_fuzz_seed_of_answers_riding_with_a_round_is_a_valid_frame() {
     let seed = include_bytes!("../../../fuzz/corpus/peer_frames/round_answers");
     assert_eq!(validate(seed), Ok(2));
 }
+
+#[test]
+fn varints_round_trip_at_every_length_and_position() {
+    let mut values = vec![0, 1, 0x7f, 0x80, 0x3fff, 0x4000, u64::MAX, u64::MAX - 1];
+    for bits in 1..64 {
+        values.push(1 << bits);
+        values.push((1 << bits) - 1);
+    }
+    for &value in &values {
+        // Alone (the byte-at-a-time path near a body's end), and followed by
+        // enough bytes for the ten-byte window.
+        for trailing in [0usize, 3, 12] {
+            let mut out = Vec::new();
+            put_varint(&mut out, value);
+            let encoded = out.len();
+            out.extend(std::iter::repeat_n(0xaa, trailing));
+            let mut reader = Reader::new(&out);
+            assert_eq!(reader.varint().unwrap(), value, "{value:#x}");
+            assert_eq!(
+                reader.remaining(),
+                trailing,
+                "{value:#x} used {encoded} bytes"
+            );
+        }
+    }
+}
+
+#[test]
+fn malformed_varints_are_refused_on_both_paths() {
+    for trailing in [0usize, 12] {
+        // An eleventh byte would be needed: ten bytes all continuing.
+        let mut endless = vec![0x80u8; 10];
+        endless.extend(std::iter::repeat_n(0, trailing));
+        assert!(Reader::new(&endless).varint().is_err(), "{trailing}");
+        // The tenth byte may only carry the top bit of a u64.
+        let mut too_big = vec![0xffu8; 9];
+        too_big.push(0x02);
+        too_big.extend(std::iter::repeat_n(0, trailing));
+        assert!(Reader::new(&too_big).varint().is_err(), "{trailing}");
+        let mut top_bit = vec![0x80u8; 9];
+        top_bit.push(0x01);
+        top_bit.extend(std::iter::repeat_n(0, trailing));
+        assert_eq!(Reader::new(&top_bit).varint().unwrap(), 1 << 63);
+    }
+    // Cut short.
+    assert!(Reader::new(&[0x80, 0x80]).varint().is_err());
+    assert!(Reader::new(&[]).varint().is_err());
+}
