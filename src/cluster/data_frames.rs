@@ -356,6 +356,7 @@ impl<'a> Reader<'a> {
         })
     }
 
+    #[inline]
     pub fn op(&mut self) -> Result<OpView<'a>, FrameError> {
         let key = self.bytes()?;
         let flags = self.u8()?;

@@ -350,8 +350,11 @@ impl DataPlane {
     /// The replicator is woken only by the first states of a round (it
     /// takes everything queued when it runs) or, in fast mode, by a round
     /// that is full: waking a parked thread costs a system call.
-    pub fn push_states<'a>(&self, states: impl IntoIterator<Item = (&'a [u8], DecidedState)>) {
-        let now = Instant::now();
+    pub fn push_states<'a>(
+        &self,
+        now: Instant,
+        states: impl IntoIterator<Item = (&'a [u8], DecidedState)>,
+    ) {
         let wake = {
             let mut round = self.round.lock();
             let was_empty = round.is_empty();
@@ -370,6 +373,7 @@ impl DataPlane {
     /// the peer is unreachable or its outbox full.
     pub fn send_forward<'a>(
         &self,
+        now: Instant,
         peer: NodeId,
         board: &Arc<SlotBoard>,
         slots: SmallVec<[u32; 16]>,
@@ -402,7 +406,7 @@ impl DataPlane {
                 slots,
                 answered: 0,
                 frame,
-                sent_at: Instant::now(),
+                sent_at: now,
             },
         );
         drop(forwards);
@@ -495,7 +499,7 @@ impl DataPlane {
                                 answered.push(answer);
                             }
                         }
-                        self.take_answers(answered.drain(..));
+                        self.take_answers(answered);
                     }
                     tag::ROUND => {
                         let (round, shard, refusal) = self.apply_round(&mut reader)?;
@@ -535,7 +539,7 @@ impl DataPlane {
         if let Some(disk) = &self.disk {
             disk.write_pending();
         }
-        self.take_answers(answered_with_rounds.drain(..));
+        self.take_answers(answered_with_rounds);
         if let Some(upto) = acked_upto {
             let out = self.out(from);
             out.record_ack(from_boot, upto, &refused);
@@ -543,6 +547,7 @@ impl DataPlane {
         }
         if !decided.is_empty() {
             self.push_states(
+                Instant::now(),
                 decided
                     .drain(..)
                     .map(|(at, len, state)| (&keys[at..at + len], state)),
@@ -562,33 +567,28 @@ impl DataPlane {
     }
 
     /// Fills the boards of forwarded batches with their answers, `(batch,
-    /// index, decision)`: consecutive answers of one batch under one lock.
-    fn take_answers(&self, answers: impl IntoIterator<Item = (u64, u32, WireDecision)>) {
-        let mut answers = answers.into_iter().peekable();
-        if answers.peek().is_none() {
+    /// index, decision)`, and empties `answers`: consecutive answers of one
+    /// batch under one lock, read from `answers` itself (no list per batch).
+    fn take_answers(&self, answers: &mut Vec<(u64, u32, WireDecision)>) {
+        if answers.is_empty() {
             return;
         }
         let mut forwards = self.forwards.lock();
-        let mut run: (u64, Vec<(u32, WireDecision)>) = (0, Vec::new());
-        let mut flush = |run: &mut (u64, Vec<(u32, WireDecision)>)| {
-            if run.1.is_empty() {
-                return;
-            }
-            if let Some(wait) = forwards.get_mut(&run.0) {
-                if wait.answer_many(&mut run.1) {
-                    forwards.remove(&run.0);
+        let mut rest = answers.drain(..).peekable();
+        while let Some(&(batch, _, _)) = rest.peek() {
+            let run = std::iter::from_fn(|| {
+                rest.next_if(|(of, _, _)| *of == batch)
+                    .map(|(_, index, decision)| (index, decision))
+            });
+            match forwards.get_mut(&batch) {
+                Some(wait) => {
+                    if wait.answer_many(run) {
+                        forwards.remove(&batch);
+                    }
                 }
+                None => run.for_each(drop),
             }
-            run.1.clear();
-        };
-        for (batch, index, decision) in answers {
-            if batch != run.0 {
-                flush(&mut run);
-                run.0 = batch;
-            }
-            run.1.push((index, decision));
         }
-        flush(&mut run);
     }
 
     /// Prefetches the store lines of the first [`FRAME_PREFETCH_KEYS_MAX`]

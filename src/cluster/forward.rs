@@ -224,14 +224,14 @@ pub struct ForwardWait {
 impl ForwardWait {
     /// Answers ops of the batch (by index); says whether every op is
     /// answered now.
-    pub fn answer_many(&mut self, answers: &mut Vec<(u32, WireDecision)>) -> bool {
+    pub fn answer_many(&mut self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> bool {
         let slots = &self.slots;
         // Only answers that filled a pending slot count: an answer may
         // come twice (sent with its round, then again after the link
         // broke before the leader heard that it arrived).
         self.answered += self.board.fill_many(
             answers
-                .drain(..)
+                .into_iter()
                 .filter_map(|(index, decision)| Some((*slots.get(index as usize)?, decision))),
         );
         self.answered as usize >= self.slots.len()
@@ -325,7 +325,6 @@ pub struct ClusterBatch {
     states: Vec<LocalState>,
     forwards: SmallVec<[PeerForward; 2]>,
     key_buf: Vec<u8>,
-    deadline: Option<Instant>,
 }
 
 impl ClusterBatch {
@@ -343,7 +342,6 @@ impl ClusterBatch {
             states,
             forwards: SmallVec::new(),
             key_buf,
-            deadline: None,
         }
     }
 
@@ -495,8 +493,9 @@ impl ClusterBatch {
     pub fn submit_answers(
         self: Box<Self>,
     ) -> BoxFuture<'static, Vec<Result<Answer, BackendError>>> {
-        let deadline = Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms);
-        match self.submit_until(deadline, std::convert::identity) {
+        let now = Instant::now();
+        let deadline = now + Duration::from_millis(self.dp.settings.forward_timeout_ms);
+        match self.submit_until(now, deadline, std::convert::identity) {
             Some(answers) => answers,
             None => Box::pin(async { Vec::new() }),
         }
@@ -545,8 +544,11 @@ impl ClusterBatch {
         waits
     }
 
+    /// Sends what was gathered at `now` (one clock read for the batch's
+    /// states, forwards and deadline); resolves by `deadline`.
     fn submit_until<T: Send + 'static>(
         self: Box<Self>,
+        now: Instant,
         deadline: Instant,
         as_wanted: AsWanted<T>,
     ) -> Option<BoxFuture<'static, Vec<T>>> {
@@ -562,10 +564,13 @@ impl ClusterBatch {
         } = *self;
         if slots.is_empty() {
             if !states.is_empty() {
-                dp.push_states(states.iter().map(|s| {
-                    let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
-                    (key, decided(s, None))
-                }));
+                dp.push_states(
+                    now,
+                    states.iter().map(|s| {
+                        let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
+                        (key, decided(s, None))
+                    }),
+                );
             }
             BatchBuffers {
                 keys,
@@ -578,10 +583,13 @@ impl ClusterBatch {
         // The ops join the board once the forwards are sent from them.
         let board = Arc::new(SlotBoard::new(slots, Vec::new()));
         if !states.is_empty() {
-            dp.push_states(states.iter().map(|s| {
-                let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
-                (key, decided(s, Some(&board)))
-            }));
+            dp.push_states(
+                now,
+                states.iter().map(|s| {
+                    let key = &keys[s.key_at as usize..(s.key_at + s.key_len) as usize];
+                    (key, decided(s, Some(&board)))
+                }),
+            );
         }
         BatchBuffers {
             keys,
@@ -594,7 +602,7 @@ impl ClusterBatch {
                 .ops_at
                 .iter()
                 .map(|&(start, end)| &ops[start as usize..end as usize]);
-            if !dp.send_forward(forward.peer, &board, forward.slots.clone(), op_bytes) {
+            if !dp.send_forward(now, forward.peer, &board, forward.slots.clone(), op_bytes) {
                 let why = ShardRefusal::Other(format!(
                     "forwarding to node {}: not connected",
                     forward.peer
@@ -668,7 +676,7 @@ async fn wait_for_answers<T>(
             again.add(*shard, &op, now_ms);
             routed.push(*slot);
         }
-        let answers = match again.submit_until(deadline, std::convert::identity) {
+        let answers = match again.submit_until(Instant::now(), deadline, std::convert::identity) {
             Some(waiting) => waiting.await,
             None => Vec::new(),
         };
@@ -763,9 +771,8 @@ impl OpBatch for ClusterBatch {
     }
 
     fn submit(self: Box<Self>) -> Option<BoxFuture<'static, SlotAnswers>> {
-        let deadline = self.deadline.unwrap_or_else(|| {
-            Instant::now() + Duration::from_millis(self.dp.settings.forward_timeout_ms)
-        });
-        self.submit_until(deadline, hit_result)
+        let now = Instant::now();
+        let deadline = now + Duration::from_millis(self.dp.settings.forward_timeout_ms);
+        self.submit_until(now, deadline, hit_result)
     }
 }
