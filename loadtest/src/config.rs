@@ -42,7 +42,8 @@ pub const CONNECTIONS_MAX: usize = 100_000;
 #[derive(Subcommand, Clone, Debug)]
 pub enum Mode {
     /// SIGKILL a cluster node and measure, through a surviving node, until every shard answers
-    /// again; prints `failover_ms=N errors=N slowest_round_ms=N` (cluster/bench.sh reads it).
+    /// again; prints `failover_ms=N errors=N unanswered=N slowest_round_ms=N` (cluster/bench.sh
+    /// reads it).
     FailoverProbe(ProbeArgs),
 }
 

@@ -44,8 +44,9 @@ pub struct ProbeArgs {
     pub timeout_secs: f64,
 }
 
-/// What the probe saw; prints as `failover_ms=N errors=N slowest_round_ms=N`, then
-/// `first_error="…"` when an answer was not `OK` (the first such line, or why a round ended short).
+/// What the probe saw; prints as `failover_ms=N errors=N unanswered=N slowest_round_ms=N`,
+/// then `first_error="…"` when an answer was not `OK` (the first such line, or why a round
+/// ended short).
 #[derive(Debug, Clone, PartialEq)]
 pub enum FailoverReport {
     /// The rounds before the kill already failed: nothing was killed.
@@ -53,8 +54,12 @@ pub enum FailoverReport {
     Measured {
         /// From the kill to the end of the last disturbed round (0: none was).
         failover_ms: f64,
-        /// Answers after the kill that were not `OK` (or never came).
+        /// Answers after the kill that were not `OK`.
         errors: u64,
+        /// Hits after the kill whose answer never came: a node closes the
+        /// connection after an `ERR`, and the rest of that round goes
+        /// unanswered.
+        unanswered: u64,
         slowest_round_ms: f64,
         /// The first answer after the kill that was not `OK`, or why a round ended short.
         first_error: Option<String>,
@@ -64,18 +69,19 @@ pub enum FailoverReport {
 impl fmt::Display for FailoverReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            FailoverReport::FailedBeforeKill => {
-                f.write_str("failover_ms=nan errors=before-kill slowest_round_ms=nan")
-            }
+            FailoverReport::FailedBeforeKill => f.write_str(
+                "failover_ms=nan errors=before-kill unanswered=nan slowest_round_ms=nan",
+            ),
             FailoverReport::Measured {
                 failover_ms,
                 errors,
+                unanswered,
                 slowest_round_ms,
                 first_error,
             } => {
                 write!(
                     f,
-                    "failover_ms={failover_ms:.0} errors={errors} slowest_round_ms={slowest_round_ms:.0}"
+                    "failover_ms={failover_ms:.0} errors={errors} unanswered={unanswered} slowest_round_ms={slowest_round_ms:.0}"
                 )?;
                 match first_error {
                     Some(error) => write!(f, " first_error={error:?}"),
@@ -91,6 +97,7 @@ struct Round {
     /// Every answer came and was `OK`.
     ok: bool,
     errors: u64,
+    unanswered: u64,
     took: Duration,
     /// The round's first answer that was not `OK`, or why it ended short.
     first_error: Option<String>,
@@ -149,7 +156,8 @@ impl Probe {
             );
             return Ok(Round {
                 ok: false,
-                errors: self.actors as u64,
+                errors,
+                unanswered: (self.actors - answers) as u64,
                 took,
                 first_error: Some(
                     first_error.map_or(why.clone(), |line| format!("{line} ({why})")),
@@ -159,6 +167,7 @@ impl Probe {
         Ok(Round {
             ok: errors == 0,
             errors,
+            unanswered: 0,
             took,
             first_error,
         })
@@ -200,6 +209,7 @@ pub fn probe(args: &ProbeArgs) -> Result<FailoverReport> {
     let killed = Instant::now();
     sigkill(args.pid)?;
     let mut errors = 0;
+    let mut unanswered = 0;
     let mut first_error = None;
     let mut slowest = Duration::ZERO;
     let mut last_disturbed_end: Option<Instant> = None;
@@ -207,6 +217,7 @@ pub fn probe(args: &ProbeArgs) -> Result<FailoverReport> {
     while killed.elapsed() < timeout {
         let round = probe.round()?;
         errors += round.errors;
+        unanswered += round.unanswered;
         if first_error.is_none() {
             first_error = round.first_error;
         }
@@ -227,6 +238,7 @@ pub fn probe(args: &ProbeArgs) -> Result<FailoverReport> {
     Ok(FailoverReport::Measured {
         failover_ms: last_disturbed_end.map_or(0.0, |end| ms(end - killed)),
         errors,
+        unanswered,
         slowest_round_ms: ms(slowest),
         first_error,
     })
@@ -268,26 +280,28 @@ mod tests {
         let measured = FailoverReport::Measured {
             failover_ms: 1234.4,
             errors: 3,
+            unanswered: 0,
             slowest_round_ms: 980.6,
             first_error: None,
         };
         assert_eq!(
             measured.to_string(),
-            "failover_ms=1234 errors=3 slowest_round_ms=981"
+            "failover_ms=1234 errors=3 unanswered=0 slowest_round_ms=981"
         );
         let with_error = FailoverReport::Measured {
             failover_ms: 700.0,
-            errors: 512,
+            errors: 1,
+            unanswered: 502,
             slowest_round_ms: 690.0,
             first_error: Some("ERR unknown \"shard 3 unavailable\"".to_string()),
         };
         assert_eq!(
             with_error.to_string(),
-            "failover_ms=700 errors=512 slowest_round_ms=690 first_error=\"ERR unknown \\\"shard 3 unavailable\\\"\""
+            "failover_ms=700 errors=1 unanswered=502 slowest_round_ms=690 first_error=\"ERR unknown \\\"shard 3 unavailable\\\"\""
         );
         assert_eq!(
             FailoverReport::FailedBeforeKill.to_string(),
-            "failover_ms=nan errors=before-kill slowest_round_ms=nan"
+            "failover_ms=nan errors=before-kill unanswered=nan slowest_round_ms=nan"
         );
     }
 }

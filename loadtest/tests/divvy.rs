@@ -180,6 +180,7 @@ fn the_failover_probe_kills_its_victim_and_sees_no_disturbance_on_a_steady_serve
     let FailoverReport::Measured {
         failover_ms,
         errors,
+        unanswered,
         slowest_round_ms,
         first_error,
     } = report.clone()
@@ -192,6 +193,7 @@ fn the_failover_probe_kills_its_victim_and_sees_no_disturbance_on_a_steady_serve
     // scheduling stall can make one so (seen: one round of 111 ms, counted
     // as a 160 ms "failover"); a stall is short, a failover is not.
     assert_eq!(errors, 0, "{report}");
+    assert_eq!(unanswered, 0, "{report}");
     assert_eq!(first_error, None, "{report}");
     assert!(
         failover_ms == 0.0 || (slowest_round_ms < 1_000.0 && failover_ms < 1_500.0),
@@ -211,7 +213,7 @@ fn the_failover_probe_kills_nothing_when_the_cluster_already_fails() {
     let report = probe(&srv, &node);
     assert_eq!(
         report.to_string(),
-        "failover_ms=nan errors=before-kill slowest_round_ms=nan"
+        "failover_ms=nan errors=before-kill unanswered=nan slowest_round_ms=nan"
     );
     assert!(node.try_wait().unwrap().is_none(), "still running");
     node.kill().unwrap();
