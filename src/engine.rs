@@ -470,62 +470,69 @@ impl Engine {
         if lines_max < 2 || !two_lines {
             return 0;
         }
-        let loaded = match batch.as_ref() {
-            Some(batch) => Arc::clone(&batch.rules),
-            None => self.rules.load_full(),
-        };
-        // Pass 1: parse, match, hash and prefetch.
-        let mut planned: SmallVec<[PlannedHit<'_>; READ_AHEAD_LINES_MAX]> = SmallVec::new();
-        let mut hashes = PrefetchHashes::new();
-        let mut rest = unread;
-        while planned.len() < lines_max {
-            let Some((line, used)) = split_line(rest) else {
-                break;
+        // The thread's copy of the rules and its cells of their label
+        // counters, as a lone request uses them; a batch keeps the rules it
+        // began with, and counts in the cells while they are of those rules.
+        self.with_rules(|current, label_counts| {
+            let loaded = match batch.as_ref() {
+                Some(batch) => Arc::clone(&batch.rules),
+                None => Arc::clone(current),
             };
-            if line.len() > line_bytes_max || !line.is_ascii() {
-                break;
-            }
-            // SAFETY: ASCII is valid UTF-8.
-            let text = unsafe { std::str::from_utf8_unchecked(line) };
-            let mut pairs = Pairs::default();
-            let peek = match parse_line_into(text, &mut pairs) {
-                Ok(Verb::Hit) => false,
-                Ok(Verb::Peek) => true,
-                _ => break,
-            };
-            let (ops, plan) = Self::plan_hit(&loaded, &pairs, peek);
-            if hashes.len() + ops.len() <= PREFETCH_KEYS_MAX {
-                self.backend.counter_hashes(&ops, &mut hashes);
-            }
-            planned.push(PlannedHit {
-                ops,
-                plan,
-                peek,
-                used,
-            });
-            rest = &rest[used..];
-        }
-        store.prefetch_hashes(&hashes);
-        // Pass 2: decide, in order.
-        let mut used_bytes = 0;
-        for mut hit in planned {
-            used_bytes += hit.used;
-            let outcome = match batch.as_deref_mut() {
-                Some(batch) => {
-                    self.decide_in_batch(&loaded, &hit.ops, hit.plan, hit.peek, arrival, batch)
+            let label_counts = Arc::ptr_eq(&loaded, current).then_some(label_counts);
+            // Pass 1: parse, match, hash and prefetch.
+            let mut planned: SmallVec<[PlannedHit<'_>; READ_AHEAD_LINES_MAX]> = SmallVec::new();
+            let mut hashes = PrefetchHashes::new();
+            let mut rest = unread;
+            while planned.len() < lines_max {
+                let Some((line, used)) = split_line(rest) else {
+                    break;
+                };
+                if line.len() > line_bytes_max || !line.is_ascii() {
+                    break;
                 }
-                None => {
-                    let plan = &mut hit.plan;
-                    self.decide_planned(&loaded, &hit.ops, plan, hit.peek, arrival, None)
+                // SAFETY: ASCII is valid UTF-8.
+                let text = unsafe { std::str::from_utf8_unchecked(line) };
+                let mut pairs = Pairs::default();
+                let peek = match parse_line_into(text, &mut pairs) {
+                    Ok(Verb::Hit) => false,
+                    Ok(Verb::Peek) => true,
+                    _ => break,
+                };
+                let (ops, plan) = Self::plan_hit(&loaded, &pairs, peek);
+                if hashes.len() + ops.len() <= PREFETCH_KEYS_MAX {
+                    self.backend.counter_hashes(&ops, &mut hashes);
                 }
-            };
-            let closes = matches!(&outcome, Outcome::Now(reply) if reply.closes_connection());
-            outcomes.push(outcome);
-            if closes {
-                break;
+                planned.push(PlannedHit {
+                    ops,
+                    plan,
+                    peek,
+                    used,
+                });
+                rest = &rest[used..];
             }
-        }
-        used_bytes
+            store.prefetch_hashes(&hashes);
+            // Pass 2: decide, in order.
+            let mut used_bytes = 0;
+            for mut hit in planned {
+                used_bytes += hit.used;
+                let outcome = match batch.as_deref_mut() {
+                    Some(batch) => {
+                        let (ops, plan, peek) = (&hit.ops, hit.plan, hit.peek);
+                        self.decide_in_batch(&loaded, ops, plan, peek, arrival, batch, label_counts)
+                    }
+                    None => {
+                        let (ops, plan, peek) = (&hit.ops, &mut hit.plan, hit.peek);
+                        self.decide_planned(&loaded, ops, plan, peek, arrival, label_counts)
+                    }
+                };
+                let closes = matches!(&outcome, Outcome::Now(reply) if reply.closes_connection());
+                outcomes.push(outcome);
+                if closes {
+                    break;
+                }
+            }
+            used_bytes
+        })
     }
 
     /// The counter ops and the reply plan of a hit under `loaded`
@@ -823,11 +830,13 @@ impl Engine {
     ) -> Outcome {
         let loaded = Arc::clone(&batch.rules);
         let (ops, plan) = Self::plan_hit(&loaded, pairs, peek);
-        self.decide_in_batch(&loaded, &ops, plan, peek, arrival, batch)
+        self.decide_in_batch(&loaded, &ops, plan, peek, arrival, batch, None)
     }
 
     /// Decides a planned hit's `ops` in `batch`: now, or deferred to the
-    /// batch's answers.
+    /// batch's answers (counted in `label_counts`, this thread's cells of
+    /// `loaded`'s label counters, when given and decided now).
+    #[allow(clippy::too_many_arguments)]
     fn decide_in_batch(
         &self,
         loaded: &LoadedRules,
@@ -836,6 +845,7 @@ impl Engine {
         peek: bool,
         arrival: Arrival,
         batch: &mut EngineBatch,
+        label_counts: Option<&[Arc<ThreadLabelCounts>]>,
     ) -> Outcome {
         let decided = if ops.is_empty() {
             BatchDecided::Ready(Decisions::new())
@@ -850,7 +860,7 @@ impl Engine {
                 peek,
                 arrival,
                 DecidedAt::InBatch,
-                None,
+                label_counts,
             )),
             BatchDecided::Slots { first } => Outcome::Deferred(DeferredHit {
                 plan,
@@ -1079,7 +1089,8 @@ mod tests {
         let input =
             b"HIT path=/limited user=a\nPEEK path=/limited user=a\nHIT path=/limited user=b\n\
 HIT path=/limited user=a\nHIT path=/limited user=a\nHIT path=/limited user=a\nHIT path=/other\n";
-        let (run, from_runs) = serve(&engine(), input, usize::MAX);
+        let runs = engine();
+        let (run, from_runs) = serve(&runs, input, usize::MAX);
         let reference = engine();
         let mut expected = String::new();
         for line in input.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
@@ -1087,6 +1098,12 @@ HIT path=/limited user=a\nHIT path=/limited user=a\nHIT path=/limited user=a\nHI
         }
         assert_eq!(run, expected);
         assert_eq!(from_runs, 7, "every line is a hit: one run");
+        // Counted in the rules' label counters alike (the PEEK is not).
+        for (status, hits) in [(HitStatus::Accepted, 5), (HitStatus::Rejected, 1)] {
+            for engine in [&runs, &reference] {
+                assert_eq!(engine.metrics.label_counters("").get(status), hits);
+            }
+        }
         // Hits on one counter within a run are decided in order.
         assert_eq!(
             run.lines().collect::<Vec<_>>(),
