@@ -87,6 +87,8 @@ pub struct Plan {
     pub pipeline: usize,
     /// Open loop: requests per second in total.
     pub rate: Option<f64>,
+    /// Open loop: the loop wakes to send at most once per this many ns (0: at each due time).
+    pub pace_ns: u64,
     pub warmup_ns: u64,
     pub duration_ns: u64,
     pub drain_ns: u64,
@@ -1145,8 +1147,16 @@ impl<'a> ThreadLoop<'a> {
         let wake = wake.min(now + TICK_NS);
         let mut timeout = Duration::from_nanos(wake.saturating_sub(now));
         if next_due != u64::MAX {
+            // Paced: wake at the end of the pace interval the next request falls in, for every
+            // request due by then (their lateness counts in their latency).
+            let pace = self.ctx.shared.plan.pace_ns;
+            let next_due = if pace > 0 {
+                next_due.div_ceil(pace).saturating_mul(pace)
+            } else {
+                next_due
+            };
             let until = next_due.saturating_sub(now);
-            if until <= SPIN_NS || !Timer::PRECISE {
+            if (until <= SPIN_NS && pace == 0) || !Timer::PRECISE {
                 timeout = timeout.min(Duration::from_nanos(if until <= SPIN_NS {
                     0
                 } else {

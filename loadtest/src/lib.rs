@@ -85,6 +85,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         connections: args.connections,
         pipeline: args.pipeline,
         rate: args.rate,
+        pace_ns: args.pace_us * 1_000,
         warmup_ns: secs(args.warmup),
         duration_ns: secs(args.duration),
         drain_ns: secs(args.drain_secs),

@@ -86,3 +86,34 @@ fn warmup_is_sent_but_not_recorded_and_threads_share_the_rate() {
     assert!((590..=600).contains(&r.requests), "{r:?}");
     assert!((r.duration_secs - 0.6).abs() < 0.05, "{r:?}");
 }
+
+#[test]
+fn a_paced_open_loop_keeps_its_rate_and_counts_the_lateness() {
+    let srv = divvy_server(DivvyBehaviour::default());
+    // Requests due every 0.5 ms, sent in 20 ms paces: each waits for the end of its pace, and
+    // that wait is in its latency (measured from the due time), about 10 ms on average.
+    let a = args(&format!(
+        "--target {} --rate 2000 --pace-us 20000 --duration 1 --connections 4 --pipeline 64 --actors 100",
+        srv.target()
+    ));
+    let r = tollgate_loadtest::run(&a).unwrap();
+    assert!((1990..=2000).contains(&r.requests), "{r:?}");
+    assert_eq!(r.unanswered, 0, "{r:?}");
+    assert!(
+        (0.95..1.05).contains(&(r.throughput_per_sec / 2000.0)),
+        "{r:?}"
+    );
+    assert!(r.latency_us.p50 >= 3_000.0, "{:?}", r.latency_us);
+    assert!(r.latency_us.max >= 15_000.0, "{:?}", r.latency_us);
+}
+
+#[test]
+fn pacing_without_a_rate_is_refused() {
+    let error = tollgate_loadtest::run(&args("--target 127.0.0.1:1 --pace-us 100 --duration 0.1"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("--pace-us 100") && error.contains("--rate"),
+        "{error}"
+    );
+}
