@@ -13,7 +13,9 @@
 #    one node; three nodes strict; three nodes fast; three nodes fast with
 #    leader-aware clients (`tollgate-loadtest --leader-aware`, every hit
 #    straight to its shard's leader); five nodes strict (nodes 4 and 5
-#    joined with `cluster add-node`). Every hit is admitted (the rule has a
+#    joined with `cluster add-node`), then again with CONNECTIONS x 25/9
+#    connections (as many hits in flight per peer link as three nodes
+#    have). Every hit is admitted (the rule has a
 #    huge limit), so every hit is replicated: the worst case. One generator
 #    per node, a share of the connections each, the same ACTORS actors for
 #    every setup. For each: the servers' CPU per hit (user + system of every
@@ -45,7 +47,9 @@
 # builds within one run.
 # Settings: LOADTEST, TOLLGATE (binaries), CONNECTIONS (48), PIPELINE (16),
 # DURATION (10 s), WARMUP (3 s), ACTORS (100000), SHARDS (64), FAILOVERS (3),
-# IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR.
+# IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR,
+# PACE_US (100: the open-loop generators wake to send once per 100 us, not
+# once per request; the wait counts in the latencies).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -64,6 +68,7 @@ IDLE_SECONDS=${IDLE_SECONDS:-10}
 SHARDS=${SHARDS:-64}
 export SHARDS
 BASE_PORT=${BASE_PORT:-28321}
+export PACE_US=${PACE_US:-100}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT
@@ -269,6 +274,14 @@ for mode in strict fast aware; do
     "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-5.txt"
     wait_balanced 5 # leader balancing hands the new nodes their share
     cluster_run five 5
+    # Again with CONNECTIONS x 25/9 connections: a closed loop keeps
+    # CONNECTIONS x PIPELINE hits in flight, so each of the N x (N - 1)
+    # directed peer links carries about CONNECTIONS x PIPELINE / N^2 of
+    # them; with 25/9 as many connections, five nodes' links carry as many
+    # as three nodes' links do with CONNECTIONS (docs/benchmarks.md, "Five
+    # nodes: hits in flight per peer link"). Context for the five-node
+    # target, not the target's measure.
+    CONNECTIONS=$(( CONNECTIONS * 25 / 9 )) cluster_run five-scaled 5
   fi
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$mode.txt" || true
   "$ROOT/cluster/local.sh" down > /dev/null
@@ -286,7 +299,7 @@ export RATE
 echo "open loop at $RATE hits/s" >&2
 open_load() { # open_load NAME TARGET CONNECTIONS RATE
   "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline "$PIPELINE" --rate "$4" \
-    --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix o \
+    --pace-us "$PACE_US" --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix o \
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" > "$OUT_DIR/$1.txt"
 }
 "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
@@ -301,6 +314,11 @@ wait_balanced 3
 for n in 1 2 3; do
   open_load "open-strict-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" &
 done
+# How busy the whole machine (servers and generators) is meanwhile.
+sleep "$WARMUP"; read -r -a stat_before < /proc/stat
+sleep "$(( ${DURATION%.*} > 2 ? ${DURATION%.*} - 1 : 1 ))"; read -r -a stat_after < /proc/stat
+python3 -c "import sys; a, b = [list(map(int, x.split()[1:])) for x in sys.argv[1:3]]; d = [y - x for x, y in zip(a, b)]; print(f'{100 * (1 - (d[3] + d[4]) / sum(d)):.0f}')" \
+  "${stat_before[*]}" "${stat_after[*]}" > "$OUT_DIR/open-busy.percent"
 wait
 
 # Step 4: failover under load, on the same cluster.
@@ -366,7 +384,8 @@ def stats_delta(name):
 
 rows = {}
 for name, label in [("single", "one node"), ("strict", "three nodes, strict"), ("fast", "three nodes, fast"),
-                    ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict")]:
+                    ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
+                    ("five-scaled", f"five nodes, strict, {int(connections) * 25 // 9 // 5 * 5} connections")]:
     r = runs(name)
     throughput = sum(x["throughput_per_sec"] for x in r)
     hits = throughput * duration
@@ -395,7 +414,7 @@ print("Data path during the measured window (all nodes together):")
 print()
 print("| setup | rounds/s | states per round | states per shard section | hits per forwarded batch | frames per write | writes per hit |")
 print("|---|---:|---:|---:|---:|---:|---:|")
-for name in ("strict", "fast", "aware", "five"):
+for name in ("strict", "fast", "aware", "five", "five-scaled"):
     s = rows[name]["stats"]
     if not s:
         continue
@@ -408,7 +427,10 @@ print()
 idle = float(open(path("idle.percent")).read())
 print(f"Idle three-node cluster: {idle:.1f}% of one core (all three processes).")
 print()
-print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {connections} connections.")
+busy = open(path("open-busy.percent")).read().strip()
+print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {connections} connections, "
+      f"generators pacing their sends every {os.environ.get('PACE_US', '100')} us (latency from each request's due time); "
+      f"the whole machine was {busy}% busy during the cluster's run.")
 print()
 print("| setup | hits/s | p50 (us) | p99 (us) | errors |")
 print("|---|---:|---:|---:|---:|")
@@ -438,6 +460,8 @@ if s.get("rounds"):
     print(f"| strict: hits per replication round, at maximum load | {s['states_replicated'] / s['rounds']:.0f} | >= 50 |")
 print(f"| idle three-node cluster | {idle:.1f}% of a core | <= 3% |")
 print(f"| five nodes strict: CPU per hit / three nodes' | {rows['five']['cpu'] / rows['strict']['cpu']:.2f}x | <= 1.15x |")
+print(f"| (five nodes strict with as many hits in flight per peer link as three: CPU per hit / three nodes') | "
+      f"{rows['five-scaled']['cpu'] / rows['strict']['cpu']:.2f}x | context |")
 print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms | <= 2 ms |")
 if failover_ms:
     ms = sorted(failover_ms)
