@@ -278,9 +278,9 @@ for mode in strict fast aware; do
     # CONNECTIONS x PIPELINE hits in flight, so each of the N x (N - 1)
     # directed peer links carries about CONNECTIONS x PIPELINE / N^2 of
     # them; with 25/9 as many connections, five nodes' links carry as many
-    # as three nodes' links do with CONNECTIONS (docs/benchmarks.md, "Five
-    # nodes: hits in flight per peer link"). Context for the five-node
-    # target, not the target's measure.
+    # as three nodes' links do with CONNECTIONS (docs/benchmarks.md,
+    # "Ninth round"). Context for the five-node target, not the target's
+    # measure.
     CONNECTIONS=$(( CONNECTIONS * 25 / 9 )) cluster_run five-scaled 5
   fi
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$mode.txt" || true
