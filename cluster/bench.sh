@@ -68,7 +68,7 @@ IDLE_SECONDS=${IDLE_SECONDS:-10}
 SHARDS=${SHARDS:-64}
 export SHARDS
 BASE_PORT=${BASE_PORT:-28321}
-export PACE_US=${PACE_US:-100}
+PACE_US=${PACE_US:-100}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT
@@ -385,8 +385,9 @@ def stats_delta(name):
 rows = {}
 for name, label in [("single", "one node"), ("strict", "three nodes, strict"), ("fast", "three nodes, fast"),
                     ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
-                    ("five-scaled", f"five nodes, strict, {int(connections) * 25 // 9 // 5 * 5} connections")]:
+                    ("five-scaled", "five nodes, strict, {connections} connections")]:
     r = runs(name)
+    label = label.format(connections=sum(x["config"]["connections"] for x in r))
     throughput = sum(x["throughput_per_sec"] for x in r)
     hits = throughput * duration
     user, system = cpu(name)
@@ -429,7 +430,7 @@ print(f"Idle three-node cluster: {idle:.1f}% of one core (all three processes)."
 print()
 busy = open(path("open-busy.percent")).read().strip()
 print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {connections} connections, "
-      f"generators pacing their sends every {os.environ.get('PACE_US', '100')} us (latency from each request's due time); "
+      f"generators pacing their sends every {read('open-single')['config']['pace_us']} us (latency from each request's due time); "
       f"the whole machine was {busy}% busy during the cluster's run.")
 print()
 print("| setup | hits/s | p50 (us) | p99 (us) | errors |")
