@@ -133,8 +133,8 @@ pub fn decide_on_replica(
             why: ShardRefusal::Other("a droplet request carried a key that names no bucket".into()),
         });
     };
-    let guard = dp.replica_ref(shard);
-    let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
+    let replicas = dp.replicas();
+    let Some(replica) = super::dataplane::replica_in(&replicas, shard) else {
         return Err(WireDecision::Retry {
             shard,
             why: ShardRefusal::NotReplicated(dp.me),

@@ -13,7 +13,7 @@
 //! never sent twice.
 
 use super::data_frames::{put_op, OpView, Reader};
-use super::dataplane::{DataPlane, DecidedState};
+use super::dataplane::{replica_in, DataPlane, DecidedState, ReplicaTable};
 use super::replica::LocalDecision;
 use super::rounds::Waiter;
 use super::wire::{Answer, ShardRefusal, WireDecision};
@@ -168,20 +168,21 @@ impl SlotBoard {
         retries
     }
 
-    /// Every slot's final answer; pending ones had no answer in time.
+    /// Every slot's final answer, taken out of the board (its waiting is
+    /// over: an answer filled later finds no slot); pending ones had no
+    /// answer in time.
     fn finish<T>(&self, timeout_ms: u64, as_wanted: AsWanted<T>) -> Vec<T> {
-        let inner = self.inner.lock();
-        inner
-            .slots
-            .iter()
-            .map(|slot| match &slot.answer {
-                SlotAnswer::Done(result) => result.clone(),
+        let slots = std::mem::take(&mut self.inner.lock().slots);
+        slots
+            .into_iter()
+            .map(|slot| match slot.answer {
+                SlotAnswer::Done(result) => result,
                 SlotAnswer::Pending => Err(BackendError::ShardUnavailable(WireDecision::describe(
                     slot.shard,
                     &ShardRefusal::Other(format!("no answer within {timeout_ms} ms")),
                 ))),
                 SlotAnswer::Retry(why) => Err(BackendError::ShardUnavailable(
-                    WireDecision::describe(slot.shard, why),
+                    WireDecision::describe(slot.shard, &why),
                 )),
             })
             .map(as_wanted)
@@ -319,6 +320,9 @@ const BATCH_OPS_BYTES_INITIAL: usize = 2048;
 /// The cluster backend's batch for one read (see the module doc).
 pub struct ClusterBatch {
     dp: Arc<DataPlane>,
+    /// The replica table, loaded at the batch's first hit decided here and
+    /// kept while the batch is built: one load per read batch.
+    replicas: Option<Arc<ReplicaTable>>,
     slots: Vec<Slot>,
     ops: Vec<u8>,
     keys: Vec<u8>,
@@ -336,6 +340,7 @@ impl ClusterBatch {
         } = SPARE_BUFFERS.take().unwrap_or_default();
         ClusterBatch {
             dp,
+            replicas: None,
             slots: Vec::new(),
             ops: Vec::new(),
             keys,
@@ -359,8 +364,8 @@ impl ClusterBatch {
         Routed::Slot(match dp.leaders.leader(shard) {
             None => SlotAnswer::Retry(ShardRefusal::NoLeader),
             Some(leader) if leader == dp.me => {
-                let guard = dp.replica_ref(shard);
-                let Some(replica) = guard.as_deref().and_then(Option::as_ref) else {
+                let replicas = self.replicas.get_or_insert_with(|| self.dp.replicas_full());
+                let Some(replica) = replica_in(replicas, shard) else {
                     return Routed::Slot(SlotAnswer::Retry(ShardRefusal::NotReplicated(dp.me)));
                 };
                 match replica.decide(&dp.store, op, now_ms) {

@@ -170,6 +170,11 @@ impl Connection {
         if *shutdown.borrow() {
             return Ended::Shutdown;
         }
+        // Made once: a fresh `changed()` at every turn of the loop would
+        // register its waiter, and remove it, under the channel's lock each
+        // time. Polled until it fires (which ends the input).
+        let shutdown_changed = shutdown.changed();
+        tokio::pin!(shutdown_changed);
         loop {
             self.execute_buffered_lines();
             if !self.output.is_empty() && self.flush().await.is_err() {
@@ -227,7 +232,7 @@ impl Connection {
                         Err(_) => return Ended::Io,
                     }
                 }
-                _ = shutdown.changed(), if !self.input_done => {
+                _ = &mut shutdown_changed, if !self.input_done => {
                     self.input_done = true;
                     ended_by = Ended::Shutdown;
                 }

@@ -8,6 +8,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 
@@ -36,8 +37,20 @@ impl ClientSocket {
     /// Reads what the kernel has into `buffer`'s free space; `Ok(0)` is end of
     /// stream.
     pub async fn read(&self, buffer: &mut InputBuffer) -> io::Result<usize> {
+        std::future::poll_fn(|cx| self.poll_read(cx, buffer)).await
+    }
+
+    /// [`ClientSocket::read`], polled: while the socket has nothing, the
+    /// task's waker waits in the descriptor's one reader slot. (Awaiting
+    /// `readable()` instead queues a waiter that is added and removed under
+    /// a lock at every turn of a connection's loop that ends another way.)
+    pub fn poll_read(
+        &self,
+        cx: &mut Context<'_>,
+        buffer: &mut InputBuffer,
+    ) -> Poll<io::Result<usize>> {
         loop {
-            let mut ready = self.fd.readable().await?;
+            let mut ready = ready!(self.fd.poll_read_ready(cx))?;
             let spare = buffer.spare();
             let asked = spare.len();
             match ready.try_io(|fd| fd.get_ref().read(spare)) {
@@ -47,10 +60,11 @@ impl ClientSocket {
                         ready.clear_ready();
                     }
                     buffer.filled(n);
-                    return Ok(n);
+                    return Poll::Ready(Ok(n));
                 }
                 Ok(Err(error)) if error.kind() == io::ErrorKind::Interrupted => continue,
-                Ok(Err(error)) => return Err(error),
+                Ok(Err(error)) => return Poll::Ready(Err(error)),
+                // Readiness was cleared: the next poll waits for the socket.
                 Err(_would_block) => continue,
             }
         }
