@@ -2,7 +2,8 @@
 //! control request and response (each decodes or fails with an error, never
 //! panics; what decodes encodes again), read as a data frame's sections
 //! (forwarded hits, answers, rounds, acks: an error, never a panic or an
-//! allocation beyond the input), and fed to the server side of the peer
+//! allocation beyond the input), looked for as a whole frame in a read
+//! buffer (found only within the bytes), and fed to the server side of the peer
 //! handshake, which must refuse them without panicking (random bytes cannot
 //! prove the cluster secret).
 #![no_main]
@@ -11,7 +12,7 @@ use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use tokio::io::AsyncWriteExt;
 use tollgate::cluster::auth::{authenticate_server, PeerSecrets};
-use tollgate::cluster::codec::{decode, encode_frame};
+use tollgate::cluster::codec::{decode, encode_frame, whole_frame_at};
 use tollgate::cluster::data_frames;
 use tollgate::cluster::wire::{PeerRequest, PeerResponse};
 
@@ -41,6 +42,10 @@ fuzz_target!(|data: &[u8]| {
         let _ = encode_frame(&mut out, 1, &response);
     }
     let _ = data_frames::validate(data);
+    // Found in place, a frame's body lies within the bytes read.
+    if let Ok(Some((_, body))) = whole_frame_at(data) {
+        assert!(body.end <= data.len() && body.start <= body.end);
+    }
     // The handshake reads fixed sizes well under 4 KiB.
     let bytes = data[..data.len().min(4096)].to_vec();
     let accepted = runtime().block_on(async move {

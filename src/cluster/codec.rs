@@ -76,13 +76,27 @@ pub async fn read_frame<T: DeserializeOwned>(
     Ok((id, decode(buf)?))
 }
 
-/// Reads one frame's request id, leaving its body in `buf`.
-pub async fn read_raw_frame(
-    reader: &mut (impl AsyncRead + Unpin),
-    buf: &mut Vec<u8>,
-) -> Result<u64, CodecError> {
-    let mut header = [0u8; HEADER_BYTES];
-    reader.read_exact(&mut header).await?;
+/// The frame at the start of `bytes`, if all of it is there: its request
+/// id and where its body lies in `bytes` (checked as [`read_raw_frame`]
+/// checks a frame). Lets a reader handle a frame where its read buffer holds
+/// it, instead of copying it out first.
+pub fn whole_frame_at(bytes: &[u8]) -> Result<Option<(u64, std::ops::Range<usize>)>, CodecError> {
+    let Some(header) = bytes.get(..HEADER_BYTES) else {
+        return Ok(None);
+    };
+    let length = frame_length(header)?;
+    let end = HEADER_BYTES + (length - 8);
+    if bytes.len() < end {
+        return Ok(None);
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&header[4..HEADER_BYTES]);
+    Ok(Some((u64::from_le_bytes(id), HEADER_BYTES..end)))
+}
+
+/// The length a frame's header declares (its id and body), refused when it
+/// is over [`FRAME_BYTES_MAX`] or too short to hold the id.
+fn frame_length(header: &[u8]) -> Result<usize, CodecError> {
     let length = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
     if length > FRAME_BYTES_MAX {
         return Err(CodecError::TooLarge(length));
@@ -92,6 +106,17 @@ pub async fn read_raw_frame(
             "frame of {length} bytes is too short"
         )));
     }
+    Ok(length)
+}
+
+/// Reads one frame's request id, leaving its body in `buf`.
+pub async fn read_raw_frame(
+    reader: &mut (impl AsyncRead + Unpin),
+    buf: &mut Vec<u8>,
+) -> Result<u64, CodecError> {
+    let mut header = [0u8; HEADER_BYTES];
+    reader.read_exact(&mut header).await?;
+    let length = frame_length(&header)?;
     let mut id = [0u8; 8];
     id.copy_from_slice(&header[4..]);
     buf.clear();
@@ -211,6 +236,40 @@ mod tests {
 
         let result: Result<(u64, PeerRequest), _> = read_frame(&mut &bytes[..5], &mut buf).await;
         assert!(matches!(result, Err(CodecError::Io(_))));
+    }
+
+    #[test]
+    fn a_frame_is_found_in_place_only_when_all_of_it_is_there() {
+        let mut bytes = Vec::new();
+        encode_frame(&mut bytes, 7, &PeerResponse::Refused("no".into())).unwrap();
+        let first_end = bytes.len();
+        encode_frame(&mut bytes, 9, &PeerResponse::Refused("again".into())).unwrap();
+        let (id, body) = whole_frame_at(&bytes)
+            .unwrap()
+            .expect("the first frame is whole");
+        assert_eq!((id, body.start, body.end), (7, HEADER_BYTES, first_end));
+        assert!(matches!(
+            decode::<PeerResponse>(&bytes[body]).unwrap(),
+            PeerResponse::Refused(why) if why == "no"
+        ));
+        let (id, body) = whole_frame_at(&bytes[first_end..]).unwrap().unwrap();
+        assert_eq!((id, body.end), (9, bytes.len() - first_end));
+        // Short of its last byte, or of its header: not there yet.
+        assert!(whole_frame_at(&bytes[..first_end - 1]).unwrap().is_none());
+        assert!(whole_frame_at(&bytes[..HEADER_BYTES - 1])
+            .unwrap()
+            .is_none());
+        // A header claiming too much, or too little to hold the id: refused
+        // before anything else is read.
+        let mut huge = (u32::MAX).to_le_bytes().to_vec();
+        huge.extend_from_slice(&[0u8; 8]);
+        assert!(matches!(
+            whole_frame_at(&huge),
+            Err(CodecError::TooLarge(_))
+        ));
+        let mut short = 7u32.to_le_bytes().to_vec();
+        short.extend_from_slice(&[0u8; 8]);
+        assert!(matches!(whole_frame_at(&short), Err(CodecError::Decode(_))));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use super::node::ClusterNode;
 use super::wire::{Hello, PeerRequest, PeerResponse};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
@@ -185,6 +185,39 @@ async fn serve_peer(
         }
     });
     loop {
+        // A data frame the read buffer holds whole is handled where it lies;
+        // anything else (a control frame, a frame split across reads) is
+        // copied out first.
+        let in_place = match read_half.fill_buf().await {
+            Ok([]) => {
+                tracing::debug!(peer, "peer connection ended");
+                break;
+            }
+            Ok(buffered) => match codec::whole_frame_at(buffered) {
+                Ok(Some((DATA_FRAME_ID, body))) => {
+                    let used = body.end;
+                    from.heard();
+                    if let Err(error) = node.dp.on_data_frame(peer, peer_boot, &buffered[body]) {
+                        tracing::warn!(peer, %error, "dropping a peer connection: bad data frame");
+                        break;
+                    }
+                    Some(used)
+                }
+                Ok(_) => None,
+                Err(error) => {
+                    tracing::warn!(peer, %error, "dropping a peer connection: bad frame");
+                    break;
+                }
+            },
+            Err(error) => {
+                tracing::debug!(peer, %error, "peer connection ended");
+                break;
+            }
+        };
+        if let Some(used) = in_place {
+            read_half.consume(used);
+            continue;
+        }
         let id = match codec::read_raw_frame(&mut read_half, &mut buf).await {
             Ok(id) => id,
             Err(error) => {
