@@ -2,10 +2,11 @@
 //! control request and response (each decodes or fails with an error, never
 //! panics; what decodes encodes again), read as a data frame's sections
 //! (forwarded hits, answers, rounds, acks: an error, never a panic or an
-//! allocation beyond the input), looked for as a whole frame in a read
-//! buffer (found only within the bytes), and fed to the server side of the peer
-//! handshake, which must refuse them without panicking (random bytes cannot
-//! prove the cluster secret).
+//! allocation beyond the input; the prefetch's skim finds the same keys),
+//! looked for as a whole frame in a read buffer (found only within the
+//! bytes), and fed to the server side of the peer handshake, which must
+//! refuse them without panicking (random bytes cannot prove the cluster
+//! secret).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -41,7 +42,21 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(response) = decode::<PeerResponse>(data) {
         let _ = encode_frame(&mut out, 1, &response);
     }
-    let _ = data_frames::validate(data);
+    // The prefetch's skim finds the keys the full walk finds before it
+    // stops, and in a frame the full walk reads whole, exactly those.
+    let mut walked = Vec::new();
+    let valid = data_frames::walk_keys(data, |key| {
+        walked.push(key.to_vec());
+        true
+    })
+    .is_ok();
+    let mut skimmed = Vec::new();
+    data_frames::skim_keys(data, |key| {
+        skimmed.push(key.to_vec());
+        true
+    });
+    assert!(skimmed.starts_with(&walked));
+    assert!(!valid || skimmed == walked);
     // Found in place, a frame's body lies within the bytes read.
     if let Ok(Some((_, body))) = whole_frame_at(data) {
         assert!(body.end <= data.len() && body.start <= body.end);

@@ -621,5 +621,164 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
     Ok(sections)
 }
 
+/// [`walk_keys`] for the prefetch before a frame is handled: it steps over
+/// what carries no key (answers, acks, a state's and an op's fields)
+/// without decoding it, about twice as fast (its full decode was 76 ns of a
+/// strict hit's 2.1 µs; docs/benchmarks.md, "Tenth round"). It checks
+/// nothing beyond what it must to find the next key: a malformed frame ends
+/// the walk, or shows `visit` bytes that are no key (the handling that
+/// follows reports the frame; a prefetch of nothing is harmless), and a
+/// frame [`walk_keys`] reads shows `visit` the same keys (the `peer_frames`
+/// fuzz target checks both).
+pub fn skim_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) {
+    let mut skim = Skim { bytes: body };
+    let _ = skim.sections(&mut visit);
+}
+
+/// The reader of [`skim_keys`]: `None` ends the walk.
+struct Skim<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Skim<'a> {
+    fn sections(&mut self, visit: &mut impl FnMut(&[u8]) -> bool) -> Option<()> {
+        while !self.bytes.is_empty() {
+            match self.u8()? {
+                tag::FORWARD => {
+                    self.varint()?;
+                    for _ in 0..self.varint()? {
+                        if !visit(self.bytes()?) {
+                            return None;
+                        }
+                        self.op_fields()?;
+                    }
+                }
+                tag::ANSWERS => {
+                    self.varint()?;
+                    for _ in 0..self.varint()? {
+                        self.skip_varints(2)?;
+                        self.decision()?;
+                    }
+                }
+                tag::ROUND_ANSWERS => {
+                    self.skip_varints(3)?;
+                    for _ in 0..self.varint()? {
+                        self.skip_varints(2)?;
+                        self.decision()?;
+                    }
+                }
+                tag::ROUND => {
+                    self.skip_varints(4)?;
+                    for _ in 0..self.varint()? {
+                        if !visit(self.bytes()?) {
+                            return None;
+                        }
+                        self.state()?;
+                    }
+                }
+                tag::ACK => {
+                    self.skip_varints(2)?;
+                    for _ in 0..self.varint()? {
+                        self.skip_varints(2)?;
+                        self.refusal_of_apply()?;
+                    }
+                }
+                tag::BEAT => {}
+                _ => return None,
+            }
+        }
+        Some(())
+    }
+
+    fn u8(&mut self) -> Option<u8> {
+        let (&first, rest) = self.bytes.split_first()?;
+        self.bytes = rest;
+        Some(first)
+    }
+
+    fn varint(&mut self) -> Option<u64> {
+        let mut reader = Reader::new(self.bytes);
+        let value = reader.varint().ok()?;
+        self.bytes = &self.bytes[self.bytes.len() - reader.remaining()..];
+        Some(value)
+    }
+
+    /// Steps over `n` varints: each ends at its first byte under 0x80.
+    fn skip_varints(&mut self, n: usize) -> Option<()> {
+        for _ in 0..n {
+            let end = self.bytes.iter().position(|&byte| byte < 0x80)?;
+            self.bytes = &self.bytes[end + 1..];
+        }
+        Some(())
+    }
+
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        let length = usize::try_from(self.varint()?).ok()?;
+        if length > self.bytes.len() {
+            return None;
+        }
+        let (taken, rest) = self.bytes.split_at(length);
+        self.bytes = rest;
+        Some(taken)
+    }
+
+    /// An op's fields after its key (see [`put_op`]).
+    fn op_fields(&mut self) -> Option<()> {
+        if self.u8()? & 0x7f == BUCKET_OP_CODE {
+            self.skip_varints(1)?; // count
+            self.u8()?; // reset
+            return self.skip_varints(1 + PERIOD_COUNT); // cleanup, limits
+        }
+        self.skip_varints(2)
+    }
+
+    fn state(&mut self) -> Option<()> {
+        let fields = match self.u8()? {
+            0 | 1 => 2,
+            2 => 3,
+            3 => 5,
+            _ => return None,
+        };
+        self.skip_varints(fields)
+    }
+
+    fn decision(&mut self) -> Option<()> {
+        match self.u8()? {
+            0 | 1 => self.skip_varints(2),
+            2 | 3 => {
+                self.skip_varints(1)?;
+                self.refusal()
+            }
+            4 => self.skip_varints(1),
+            5 => {
+                self.u8()?;
+                // A balance per period whose bit is set (the others are not
+                // read: see `Reader::decision`).
+                let periods = self.u8()? & ((1 << PERIOD_COUNT) - 1);
+                self.skip_varints(periods.count_ones() as usize)
+            }
+            _ => None,
+        }
+    }
+
+    /// An ack's refusal (see [`put_ack`]).
+    fn refusal_of_apply(&mut self) -> Option<()> {
+        match self.u8()? {
+            0 => self.skip_varints(1),
+            1 => Some(()),
+            _ => None,
+        }
+    }
+
+    fn refusal(&mut self) -> Option<()> {
+        match self.u8()? {
+            0 | 3 | 4 | 7 => Some(()),
+            1 | 2 | 5 | 6 => self.skip_varints(1),
+            8 => self.bytes().map(drop),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;

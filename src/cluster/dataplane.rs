@@ -22,7 +22,7 @@
 mod inbound;
 
 use super::data_frames::{
-    begin_counted, end_counted, put_decision, put_op, put_varint, tag, walk_keys, Ack, FrameError,
+    begin_counted, end_counted, put_decision, put_op, put_varint, skim_keys, tag, Ack, FrameError,
     OpView, Reader, RoundAnswersHeader, RoundHeader,
 };
 use super::disk::NodeDisk;

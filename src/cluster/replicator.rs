@@ -6,7 +6,7 @@
 //! from the inbound side (`dataplane.rs`) so each file has one job.
 
 use super::data_frames::{begin_counted, end_counted, put_decision, put_varint, tag};
-use super::dataplane::{DataPlane, DataStats};
+use super::dataplane::{replica_in, DataPlane, DataStats};
 use super::forward::SlotBoard;
 use super::outbox::PeerOut;
 use super::peer_protocol::ROUND_ANSWERS_MINOR;
@@ -53,15 +53,16 @@ impl DataPlane {
         let mut remote: SmallVec<[RemoteAnswers; 4]> = SmallVec::new();
         let mut last_remote = 0;
         let mut local: Vec<BoardAnswers> = Vec::new();
+        let replicas = self.replicas();
         for section in ended {
-            if let Some(replica) = self.replica(section.shard) {
+            if let Some(replica) = replica_in(&replicas, section.shard) {
                 DataStats::add(&replica.stats.sections_ended, 1);
             }
             match &section.end {
                 SectionEnd::Committed => DataStats::add(&self.stats.sections_committed, 1),
                 end => {
                     DataStats::add(&self.stats.sections_failed, 1);
-                    if let Some(replica) = self.replica(section.shard) {
+                    if let Some(replica) = replica_in(&replicas, section.shard) {
                         if let SectionEnd::Superseded(_) = end {
                             replica.unready();
                             replica.kick.notify_one();
@@ -166,9 +167,10 @@ impl DataPlane {
         // The round's peers, each looked up once, with its outbox if its
         // link is up (a round reaches a few peers in many sections).
         let mut links: SmallVec<[(NodeId, Option<Arc<PeerOut>>); 4]> = SmallVec::new();
+        let replicas = self.replicas();
         for section in &mut sections {
             states += u64::from(section.count);
-            let config = match self.replica(section.shard) {
+            let config = match replica_in(&replicas, section.shard) {
                 Some(replica) => {
                     DataStats::add(&replica.stats.sections_sent, 1);
                     DataStats::add(&replica.stats.states_sent, u64::from(section.count));

@@ -141,15 +141,7 @@ fn sections_roundtrip() {
     put_varint(&mut out, 2);
     put_decision(&mut out, &decisions[0]);
     end_counted(&mut out, at, 1);
-    put_ack(
-        &mut out,
-        7,
-        41,
-        &[
-            (40, 3, ApplyRefusal::Fenced { term: 9 }),
-            (41, 1, ApplyRefusal::NotReplica),
-        ],
-    );
+    put_sample_ack(&mut out);
 
     let mut reader = Reader::new(&out);
     assert_eq!(reader.u8().unwrap(), tag::FORWARD);
@@ -299,4 +291,158 @@ fn malformed_varints_are_refused_on_both_paths() {
     // Cut short.
     assert!(Reader::new(&[0x80, 0x80]).varint().is_err());
     assert!(Reader::new(&[]).varint().is_err());
+}
+
+/// An ack of rounds up to 41 of incarnation 7, with both kinds of refusal.
+fn put_sample_ack(out: &mut Vec<u8>) {
+    put_ack(
+        out,
+        7,
+        41,
+        &[
+            (40, 3, ApplyRefusal::Fenced { term: 9 }),
+            (41, 1, ApplyRefusal::NotReplica),
+        ],
+    );
+}
+
+/// A frame with every section kind and every variant of what they carry.
+fn frame_of_every_kind() -> Vec<u8> {
+    let mut out = Vec::new();
+    let hit = OpView {
+        key: b"\x05hit-key",
+        algorithm: Algorithm::TokenBucket,
+        credit_limit: 300,
+        reset_seconds: 1 << 40,
+        peek: true,
+        bucket: None,
+    };
+    let take = OpView {
+        key: b"\x00bucket",
+        algorithm: Algorithm::FixedWindow,
+        credit_limit: 0,
+        reset_seconds: 0,
+        peek: false,
+        bucket: Some(BucketOp {
+            request: TakeRequest {
+                count: -3,
+                reset: false,
+                limits: [1, u32::MAX, 0, 7, 0, 1 << 20],
+            },
+            cleanup_interval_ms: 1 << 33,
+        }),
+    };
+    let at = begin_counted(&mut out, tag::FORWARD, &[u64::MAX]);
+    put_op(&mut out, &hit);
+    put_op(&mut out, &take);
+    end_counted(&mut out, at, 2);
+    let decisions = [
+        WireDecision::Decided {
+            allowed: true,
+            credit: i64::MIN,
+            next_reset_seconds: 1,
+        },
+        WireDecision::Unavailable {
+            shard: 63,
+            why: ShardRefusal::Other("a refusal's text".into()),
+        },
+        WireDecision::Retry {
+            shard: 1,
+            why: ShardRefusal::Superseded(u64::MAX),
+        },
+        WireDecision::Retry {
+            shard: 2,
+            why: ShardRefusal::HandingOver,
+        },
+        WireDecision::Full { live_keys_max: 9 },
+        WireDecision::Bucket {
+            accept: true,
+            balances: [None, Some(-5), None, Some(i32::MAX), None, Some(0)],
+        },
+    ];
+    let at = begin_counted(&mut out, tag::ANSWERS, &[3]);
+    for (index, decision) in decisions.iter().enumerate() {
+        put_varint(&mut out, 11);
+        put_varint(&mut out, index as u64);
+        put_decision(&mut out, decision);
+    }
+    end_counted(&mut out, at, decisions.len() as u32);
+    let states = [
+        CounterState::Window {
+            end_ms: 5,
+            used: 1 << 50,
+        },
+        CounterState::SlidingWindow {
+            expires_at_ms: 1,
+            current: 2,
+            previous: 3,
+        },
+        CounterState::DropletPeriod(PeriodCell {
+            version: 1,
+            forget_at_ms: 2,
+            full_ms: 3,
+            remainder: 4,
+            limit: 5,
+        }),
+    ];
+    let at = begin_counted(&mut out, tag::ROUND, &[4, 1_700_000_000_000, 2, 8]);
+    for (i, state) in states.iter().enumerate() {
+        put_bytes(&mut out, &[b'r', i as u8]);
+        put_state(&mut out, state);
+    }
+    end_counted(&mut out, at, states.len() as u32);
+    let at = begin_counted(&mut out, tag::ROUND_ANSWERS, &[3, 4, 2]);
+    put_varint(&mut out, 12);
+    put_varint(&mut out, 0);
+    put_decision(&mut out, &decisions[1]);
+    end_counted(&mut out, at, 1);
+    put_sample_ack(&mut out);
+    out.push(tag::BEAT);
+    let at = begin_counted(&mut out, tag::ROUND, &[5, 1, 0, 8]);
+    put_bytes(&mut out, b"last");
+    put_state(&mut out, &states[0]);
+    end_counted(&mut out, at, 1);
+    out
+}
+
+fn keys_of(walk: impl FnOnce(&mut dyn FnMut(&[u8]) -> bool)) -> Vec<Vec<u8>> {
+    let mut keys = Vec::new();
+    walk(&mut |key| {
+        keys.push(key.to_vec());
+        true
+    });
+    keys
+}
+
+#[test]
+fn skimming_a_frame_finds_the_keys_the_full_walk_finds() {
+    let frame = frame_of_every_kind();
+    assert_eq!(validate(&frame), Ok(7));
+    let walked = keys_of(|visit| {
+        walk_keys(&frame, visit).unwrap();
+    });
+    let skimmed = keys_of(|visit| skim_keys(&frame, visit));
+    assert_eq!(walked.len(), 6, "{walked:?}");
+    assert_eq!(skimmed, walked);
+    // Cut anywhere, the skim ends without a panic, having found at least
+    // the keys the full walk found before its error.
+    for cut in 0..frame.len() {
+        let mut walked = Vec::new();
+        let _ = walk_keys(&frame[..cut], |key| {
+            walked.push(key.to_vec());
+            true
+        });
+        let skimmed = keys_of(|visit| skim_keys(&frame[..cut], visit));
+        assert!(
+            skimmed.starts_with(&walked),
+            "cut at {cut}: {skimmed:?} against {walked:?}"
+        );
+    }
+    // A visitor that has seen enough ends the skim.
+    let mut seen = 0;
+    skim_keys(&frame, |_| {
+        seen += 1;
+        seen < 2
+    });
+    assert_eq!(seen, 2);
 }

@@ -251,7 +251,7 @@ impl DataPlane {
         }
         HASHES.with_borrow_mut(|hashes| {
             hashes.clear();
-            let _ = walk_keys(body, |key| {
+            skim_keys(body, |key| {
                 let hash = self.store.key_hash(key);
                 self.store.prefetch_stripe(hash);
                 hashes.push(hash);
