@@ -1066,10 +1066,12 @@ impl<'a> ThreadLoop<'a> {
         }
         loop {
             let now = self.ctx.now();
+            // Every request due before the end is sent, even when the loop wakes after it (a
+            // paced loop wakes at the end of the pace its last requests fall in).
+            let next_due = self.hand_out_due_requests(now);
             if self.ctx.sending && now >= self.ctx.meas_end_ns {
                 self.ctx.sending = false;
             }
-            let next_due = self.hand_out_due_requests(now);
             // Finished? Nothing more to send and nothing outstanding, or out of drain time.
             if !self.ctx.sending || self.ctx.budget_left == 0 {
                 let idle = self
