@@ -21,25 +21,21 @@
 
 mod inbound;
 
-use super::data_frames::{
-    begin_counted, end_counted, put_decision, put_op, put_varint, skim_keys, tag, Ack, FrameError,
-    OpView, Reader, RoundAnswersHeader, RoundHeader,
-};
+use super::data_frames::{begin_counted, end_counted, put_op, tag, OpView};
 use super::disk::NodeDisk;
 use super::forward::{ForwardWait, SlotBoard};
 pub use super::outbox::PeerOut;
 use super::placement::Placement;
-use super::replica::{LocalDecision, Replica};
+use super::replica::Replica;
 use super::rounds::{InFlight, RoundBuilder, Waiter};
 use super::wire::{ApplyRefusal, CounterList, ShardRefusal, WireDecision};
 use super::{Consistency, LeaderTable, NodeId};
 use crate::clock::Clock;
 use crate::limiter::CounterState;
-use crate::store::{MemoryStore, StoreFull};
+use crate::store::MemoryStore;
 use arc_swap::{ArcSwap, Guard};
 use parking_lot::{Mutex, RwLock};
 use smallvec::SmallVec;
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

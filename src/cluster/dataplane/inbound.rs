@@ -6,7 +6,21 @@
 //! touch are prefetched first, and the buffers handling writes are kept by
 //! the thread from frame to frame.
 
-use super::*;
+use super::{replica_in, DataPlane, DataStats, DecidedState, ReplicaTable};
+use crate::cluster::data_frames::{
+    begin_counted, end_counted, put_decision, put_varint, skim_keys, tag, Ack, FrameError, OpView,
+    Reader, RoundAnswersHeader, RoundHeader,
+};
+use crate::cluster::replica::LocalDecision;
+use crate::cluster::rounds::Waiter;
+use crate::cluster::wire::{ApplyRefusal, ShardRefusal, WireDecision};
+use crate::cluster::NodeId;
+use crate::limiter::CounterState;
+use crate::store::StoreFull;
+use smallvec::SmallVec;
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 /// Most keys of one inbound frame whose store lines are prefetched before
 /// the frame is handled: two lines each, 512 KiB at most, within a core's
