@@ -631,18 +631,21 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
 /// frame [`walk_keys`] reads shows `visit` the same keys (the `peer_frames`
 /// fuzz target checks both).
 pub fn skim_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) {
-    let mut skim = Skim { bytes: body };
+    let mut skim = Skim {
+        reader: Reader::new(body),
+    };
     let _ = skim.sections(&mut visit);
 }
 
-/// The reader of [`skim_keys`]: `None` ends the walk.
+/// The reader of [`skim_keys`]: a [`Reader`] that steps over what it
+/// need not decode; `None` ends the walk.
 struct Skim<'a> {
-    bytes: &'a [u8],
+    reader: Reader<'a>,
 }
 
 impl<'a> Skim<'a> {
     fn sections(&mut self, visit: &mut impl FnMut(&[u8]) -> bool) -> Option<()> {
-        while !self.bytes.is_empty() {
+        while !self.reader.is_empty() {
             match self.u8()? {
                 tag::FORWARD => {
                     self.varint()?;
@@ -653,20 +656,10 @@ impl<'a> Skim<'a> {
                         self.op_fields()?;
                     }
                 }
-                tag::ANSWERS => {
-                    self.varint()?;
-                    for _ in 0..self.varint()? {
-                        self.skip_varints(2)?;
-                        self.decision()?;
-                    }
-                }
-                tag::ROUND_ANSWERS => {
-                    self.skip_varints(3)?;
-                    for _ in 0..self.varint()? {
-                        self.skip_varints(2)?;
-                        self.decision()?;
-                    }
-                }
+                // A header of one varint (boot) or three (boot, round,
+                // shard), then the answers.
+                tag::ANSWERS => self.answers(1)?,
+                tag::ROUND_ANSWERS => self.answers(3)?,
                 tag::ROUND => {
                     self.skip_varints(4)?;
                     for _ in 0..self.varint()? {
@@ -690,36 +683,37 @@ impl<'a> Skim<'a> {
         Some(())
     }
 
+    /// An answers section after its tag: `header` varints, the count, then
+    /// `(batch, index, decision)` each.
+    fn answers(&mut self, header: usize) -> Option<()> {
+        self.skip_varints(header)?;
+        for _ in 0..self.varint()? {
+            self.skip_varints(2)?;
+            self.decision()?;
+        }
+        Some(())
+    }
+
     fn u8(&mut self) -> Option<u8> {
-        let (&first, rest) = self.bytes.split_first()?;
-        self.bytes = rest;
-        Some(first)
+        self.reader.u8().ok()
     }
 
     fn varint(&mut self) -> Option<u64> {
-        let mut reader = Reader::new(self.bytes);
-        let value = reader.varint().ok()?;
-        self.bytes = &self.bytes[self.bytes.len() - reader.remaining()..];
-        Some(value)
+        self.reader.varint().ok()
+    }
+
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        self.reader.bytes().ok()
     }
 
     /// Steps over `n` varints: each ends at its first byte under 0x80.
     fn skip_varints(&mut self, n: usize) -> Option<()> {
         for _ in 0..n {
-            let end = self.bytes.iter().position(|&byte| byte < 0x80)?;
-            self.bytes = &self.bytes[end + 1..];
+            let bytes = self.reader.bytes;
+            let end = bytes.iter().position(|&byte| byte < 0x80)?;
+            self.reader.bytes = &bytes[end + 1..];
         }
         Some(())
-    }
-
-    fn bytes(&mut self) -> Option<&'a [u8]> {
-        let length = usize::try_from(self.varint()?).ok()?;
-        if length > self.bytes.len() {
-            return None;
-        }
-        let (taken, rest) = self.bytes.split_at(length);
-        self.bytes = rest;
-        Some(taken)
     }
 
     /// An op's fields after its key (see [`put_op`]).
