@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# A/B of builds: the servers' CPU per hit of each build in each setup, in
+# alternating rounds of one run, with the medians and each setup's ratio to
+# the same build's one node at the end (docs/benchmarks.md, "Cluster data
+# path": the machine's state moves the figures between runs, so builds are
+# only compared within one run).
+#
+#   cargo build --release --workspace
+#   cp target/release/tollgate /tmp/before     # then change, build again
+#   cluster/ab.sh before=/tmp/before after=target/release/tollgate
+#
+# Setups (MODES, default "single strict fast aware"):
+#   single  one node, one generator of CONNECTIONS connections;
+#   tri     three independent nodes, one generator of CONNECTIONS / 3 on
+#           each: the cluster's processes without a cluster;
+#   strict, fast
+#           three nodes (`cluster/local.sh up`, leaders balanced first), one
+#           generator of CONNECTIONS / 3 on each node;
+#   aware   three nodes fast, the generators' hits sent straight to their
+#           shards' leaders (`tollgate-loadtest --leader-aware`).
+# The load is the bench's (cluster/bench.sh): closed loop, pipeline
+# PIPELINE, ACTORS actors, every hit admitted and so replicated. CPU is user
+# + system of every server process from /proc over DURATION seconds after
+# WARMUP. With PERF_EVENTS (e.g. raw_syscalls:sys_enter,context-switches),
+# `perf stat` counts those events of the servers per hit as well.
+# Settings: ROUNDS (3), DURATION (5), WARMUP (2), CONNECTIONS (48),
+# PIPELINE (16), ACTORS (100000), BASE_PORT (26321), LOADTEST, OUT_DIR.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+(( $# > 0 )) || { sed -n '2,/^set -e/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
+LOADTEST=${LOADTEST:-$ROOT/target/release/tollgate-loadtest}
+MODES=${MODES:-single strict fast aware}
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-5}
+WARMUP=${WARMUP:-2}
+CONNECTIONS=${CONNECTIONS:-48}
+PIPELINE=${PIPELINE:-16}
+ACTORS=${ACTORS:-100000}
+BASE_PORT=${BASE_PORT:-26321}
+PERF_EVENTS=${PERF_EVENTS:-}
+OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-ab-$$}
+mkdir -p "$OUT_DIR"
+export BASE_PORT DATA_DIRS=none RUN_DIR="$OUT_DIR/run"
+for spec in "$@"; do
+  [[ $spec == *=* ]] || { echo "ab.sh: expected LABEL=BINARY, got $spec" >&2; exit 2; }
+  [[ -x ${spec#*=} ]] || { echo "ab.sh: ${spec#*=} is not an executable" >&2; exit 2; }
+done
+[[ -x $LOADTEST ]] || { echo "ab.sh: $LOADTEST is missing (cargo build --release --workspace)" >&2; exit 1; }
+export RULES="$OUT_DIR/bench.ini"
+printf '[path=/bench]\ncreditLimit = 1000000000\nresetSeconds = 3600\nactorField = user\n\n[default]\ncreditLimit = 0\nresetSeconds = 60\n' > "$RULES"
+RESULTS="$OUT_DIR/results.tsv"
+: > "$RESULTS"
+
+cpu_ticks() { # user and system ticks of the given processes so far
+  local user=0 system=0 pid u s
+  for pid in "$@"; do
+    read -r u s < <(awk '{print $14, $15}' "/proc/$pid/stat")
+    user=$((user + u)); system=$((system + s))
+  done
+  echo "$user $system"
+}
+
+wait_balanced() { # three nodes up, none leading more than its share
+  local binary=$1 deadline=$((SECONDS + 60)) leads
+  while (( SECONDS < deadline )); do
+    leads=$("$binary" cluster status --node "127.0.0.1:$BASE_PORT" 2>/dev/null \
+      | awk '/^[0-9]+ +up / {print $NF}' | sort -n)
+    if [[ $(wc -l <<< "$leads") -eq 3 ]] && (( $(tail -1 <<< "$leads") <= 22 )); then return 0; fi
+    sleep 0.5
+  done
+  echo "ab.sh: leaders not balanced after 60 s; measuring anyway" >&2
+}
+
+run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
+  local label=$1 binary=$2 mode=$3 pids="" generators=() targets=() flags=() n
+  case $mode in
+    single)
+      "$binary" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single.log" 2>&1 &
+      pids=$!; targets=("127.0.0.1:$BASE_PORT"); sleep 1 ;;
+    tri)
+      for n in 0 1 2; do
+        "$binary" serve --listen "127.0.0.1:$((BASE_PORT + n))" "$RULES" > "$OUT_DIR/tri$n.log" 2>&1 &
+        pids="$pids $!"; targets+=("127.0.0.1:$((BASE_PORT + n))")
+      done
+      sleep 1 ;;
+    strict|fast|aware)
+      local consistency=$mode
+      [[ $mode == aware ]] && { consistency=fast; flags=(--leader-aware --rules "$RULES"); }
+      TOLLGATE=$binary CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up.txt" 2>&1 \
+        || { cat "$OUT_DIR/up.txt" >&2; exit 1; }
+      wait_balanced "$binary"
+      pids=$(cat "$RUN_DIR"/node*.pid | tr '\n' ' ')
+      for n in 0 1 2; do targets+=("127.0.0.1:$((BASE_PORT + n))"); done ;;
+    *) echo "ab.sh: unknown mode $mode" >&2; exit 2 ;;
+  esac
+  local share=$((CONNECTIONS / ${#targets[@]})) i=0
+  for target in "${targets[@]}"; do
+    "$LOADTEST" --target "$target" --protocol divvy --connections "$share" --pipeline "$PIPELINE" \
+      --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix a \
+      --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/gen$i.json" "${flags[@]}" \
+      > /dev/null 2>&1 &
+    generators+=($!); i=$((i + 1))
+  done
+  sleep "$WARMUP"
+  local before after counts=""
+  # shellcheck disable=SC2086
+  before=$(cpu_ticks $pids)
+  if [[ -n $PERF_EVENTS ]]; then
+    perf stat -x, -e "$PERF_EVENTS" -p "$(echo $pids | tr ' ' ,)" -o "$OUT_DIR/perf.csv" -- sleep "$DURATION" 2>/dev/null
+    counts=$(awk -F, '$1 ~ /^[0-9]+$/ {printf "%s=%s ", $3, $1}' "$OUT_DIR/perf.csv")
+  else
+    sleep "$DURATION"
+  fi
+  # shellcheck disable=SC2086
+  after=$(cpu_ticks $pids)
+  wait "${generators[@]}" || true
+  if [[ $mode == single || $mode == tri ]]; then
+    # shellcheck disable=SC2086
+    kill $pids; wait $pids 2>/dev/null || true
+  else
+    "$ROOT/cluster/local.sh" down > /dev/null 2>&1 || true
+    rm -rf "$RUN_DIR"
+  fi
+  python3 - "$OUT_DIR" "$i" "$label" "$mode" "$before" "$after" "$(getconf CLK_TCK)" "$DURATION" "$counts" <<'PY' | tee -a "$RESULTS"
+import json, sys
+out, gens, label, mode, before, after, tck, duration, counts = sys.argv[1:]
+hits = sum(json.load(open(f"{out}/gen{i}.json"))["throughput_per_sec"] for i in range(int(gens)))
+(bu, bs), (au, as_) = map(int, before.split()), map(int, after.split())
+user, system = (au - bu) / int(tck) / float(duration), (as_ - bs) / int(tck) / float(duration)
+per_hit = {name: int(value) / (hits * float(duration)) for name, value in (c.split("=") for c in counts.split())}
+extra = "".join(f"\t{name}/hit={value:.4f}" for name, value in per_hit.items())
+print(f"{label}\t{mode}\t{hits:.0f}\t{(user + system) * 1e6 / hits:.3f}\t{user * 1e6 / hits:.3f}\t{system * 1e6 / hits:.3f}{extra}")
+PY
+}
+
+labels=("$@")
+for round in $(seq 1 "$ROUNDS"); do
+  order=("${labels[@]}")
+  # Every other round in reverse order: no build always runs first.
+  if (( round % 2 == 0 )); then
+    order=(); for ((i = ${#labels[@]} - 1; i >= 0; i--)); do order+=("${labels[i]}"); done
+  fi
+  echo "round $round of $ROUNDS (label, setup, hits/s, µs per hit, user, system)" >&2
+  for spec in "${order[@]}"; do
+    for mode in $MODES; do run "${spec%%=*}" "${spec#*=}" "$mode"; done
+  done
+done
+
+python3 - "$RESULTS" <<'PY'
+import statistics, sys
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
+labels = list(dict.fromkeys(r[0] for r in rows)); modes = list(dict.fromkeys(r[1] for r in rows))
+median = {(l, m): statistics.median(float(r[3]) for r in rows if r[0] == l and r[1] == m)
+          for l in labels for m in modes if any(r[0] == l and r[1] == m for r in rows)}
+print(f"\nMedian server CPU per hit (µs) of {len(rows) // max(1, len(median))} rounds; in brackets, ÷ the same build's one node\n")
+print("| build | " + " | ".join(modes) + " |")
+print("|---|" + "---:|" * len(modes))
+for l in labels:
+    cells = []
+    for m in modes:
+        v = median.get((l, m))
+        base = median.get((l, "single"))
+        cells.append("-" if v is None else f"{v:.3f}" + (f" ({v / base:.2f}×)" if base and m != "single" else ""))
+    print(f"| {l} | " + " | ".join(cells) + " |")
+PY
+echo "runs in $RESULTS" >&2
