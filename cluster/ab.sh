@@ -51,6 +51,15 @@ export RULES="$OUT_DIR/bench.ini"
 printf '[path=/bench]\ncreditLimit = 1000000000\nresetSeconds = 3600\nactorField = user\n\n[default]\ncreditLimit = 0\nresetSeconds = 60\n' > "$RULES"
 RESULTS="$OUT_DIR/results.tsv"
 : > "$RESULTS"
+# Servers and generators of the run under way, stopped if the script ends early.
+live_pids=""
+cleanup() {
+  # shellcheck disable=SC2086
+  [[ -n $live_pids ]] && kill $live_pids 2> /dev/null
+  [[ -d $RUN_DIR ]] && "$ROOT/cluster/local.sh" down > /dev/null 2>&1
+  return 0
+}
+trap cleanup EXIT
 
 cpu_ticks() { # user and system ticks of the given processes so far
   local user=0 system=0 pid u s
@@ -102,6 +111,8 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
       > /dev/null 2>&1 &
     generators+=($!); i=$((i + 1))
   done
+  [[ $mode == single || $mode == tri ]] && live_pids="$pids"
+  live_pids="$live_pids ${generators[*]}"
   sleep "$WARMUP"
   local before after counts=""
   # shellcheck disable=SC2086
@@ -122,6 +133,7 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
     "$ROOT/cluster/local.sh" down > /dev/null 2>&1 || true
     rm -rf "$RUN_DIR"
   fi
+  live_pids=""
   python3 - "$OUT_DIR" "$i" "$label" "$mode" "$before" "$after" "$(getconf CLK_TCK)" "$DURATION" "$counts" <<'PY' | tee -a "$RESULTS"
 import json, sys
 out, gens, label, mode, before, after, tck, duration, counts = sys.argv[1:]
