@@ -49,6 +49,7 @@ for spec in "$@"; do
   [[ $spec == *=* ]] || { echo "ab.sh: expected LABEL=BINARY, got $spec" >&2; exit 2; }
   [[ -x ${spec#*=} ]] || { echo "ab.sh: ${spec#*=} is not an executable" >&2; exit 2; }
 done
+[[ -z $PERF_EVENTS ]] || command -v perf > /dev/null || { echo "ab.sh: PERF_EVENTS needs perf, which is not installed" >&2; exit 2; }
 [[ -x $LOADTEST ]] || { echo "ab.sh: $LOADTEST is missing (cargo build --release --workspace)" >&2; exit 1; }
 export RULES="$OUT_DIR/bench.ini"
 printf '[path=/bench]\ncreditLimit = 1000000000\nresetSeconds = 3600\nactorField = user\n\n[default]\ncreditLimit = 0\nresetSeconds = 60\n' > "$RULES"
@@ -131,7 +132,9 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   wait "${generators[@]}" || true
   if [[ $mode == single || $mode == tri ]]; then
     # shellcheck disable=SC2086
-    kill $pids; wait $pids 2>/dev/null || true
+    kill $pids 2> /dev/null || true
+    # shellcheck disable=SC2086
+    wait $pids 2> /dev/null || true
   else
     "$ROOT/cluster/local.sh" down > /dev/null 2>&1 || true
     rm -rf "$RUN_DIR"
