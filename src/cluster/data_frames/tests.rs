@@ -5,23 +5,32 @@
 use super::*;
 use crate::limiter::Refill;
 
-#[test]
-fn droplet_ops_answers_and_cells_roundtrip() {
-    let take = OpView {
-        key: b"\x00droplet-bucket",
+/// A droplet bucket's take as a forwarded op carries it.
+fn bucket_take(key: &[u8], request: TakeRequest, cleanup_interval_ms: u64) -> OpView<'_> {
+    OpView {
+        key,
         algorithm: Algorithm::FixedWindow,
         credit_limit: 0,
         reset_seconds: 0,
         peek: false,
         bucket: Some(BucketOp {
-            request: TakeRequest {
-                count: -7,
-                reset: true,
-                limits: [10, 0, u32::MAX, 0, 1, 0],
-            },
-            cleanup_interval_ms: 60_000,
+            request,
+            cleanup_interval_ms,
         }),
-    };
+    }
+}
+
+#[test]
+fn droplet_ops_answers_and_cells_roundtrip() {
+    let take = bucket_take(
+        b"\x00droplet-bucket",
+        TakeRequest {
+            count: -7,
+            reset: true,
+            limits: [10, 0, u32::MAX, 0, 1, 0],
+        },
+        60_000,
+    );
     let query = OpView { peek: true, ..take };
     let answer = WireDecision::Bucket {
         accept: false,
@@ -317,21 +326,15 @@ fn frame_of_every_kind() -> Vec<u8> {
         peek: true,
         bucket: None,
     };
-    let take = OpView {
-        key: b"\x00bucket",
-        algorithm: Algorithm::FixedWindow,
-        credit_limit: 0,
-        reset_seconds: 0,
-        peek: false,
-        bucket: Some(BucketOp {
-            request: TakeRequest {
-                count: -3,
-                reset: false,
-                limits: [1, u32::MAX, 0, 7, 0, 1 << 20],
-            },
-            cleanup_interval_ms: 1 << 33,
-        }),
-    };
+    let take = bucket_take(
+        b"\x00bucket",
+        TakeRequest {
+            count: -3,
+            reset: false,
+            limits: [1, u32::MAX, 0, 7, 0, 1 << 20],
+        },
+        1 << 33,
+    );
     let at = begin_counted(&mut out, tag::FORWARD, &[u64::MAX]);
     put_op(&mut out, &hit);
     put_op(&mut out, &take);
