@@ -344,8 +344,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
     let mut last_try: HashMap<u32, Instant> = HashMap::new();
     // Since when this node has seen each shard's current leader as such.
     let mut leader_since: HashMap<u32, (NodeId, u64, Instant)> = HashMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(ELECTION_CHECK_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = super::cadence::interval(Duration::from_millis(ELECTION_CHECK_MS));
     loop {
         tick.tick().await;
         if !node.joined() {

@@ -364,8 +364,7 @@ async fn serve_connection(
         }
     });
     let stats = &target.data.stats;
-    let mut beat = tokio::time::interval(target.beat);
-    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = super::cadence::interval(target.beat);
     let mut next_id: u64 = 1;
     let mut buf = Vec::new();
     let mut next_call = first;

@@ -36,8 +36,7 @@ impl ClusterNode {
     /// Polls every other member: leaders of shards, newer member lists, and
     /// each shard's group as its leader sees it.
     pub async fn poll_peers(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(Duration::from_millis(PEER_POLL_INTERVAL_MS));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = super::cadence::interval(Duration::from_millis(PEER_POLL_INTERVAL_MS));
         loop {
             tick.tick().await;
             let reports = self.peer_reports(STATUS_TIMEOUT_MS).await;
@@ -77,8 +76,7 @@ impl ClusterNode {
     /// Keeps this node's replicas in step with the member list, every
     /// [`REBALANCE_INTERVAL_MS`].
     pub async fn rebalance(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(Duration::from_millis(REBALANCE_INTERVAL_MS));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = super::cadence::interval(Duration::from_millis(REBALANCE_INTERVAL_MS));
         loop {
             tick.tick().await;
             if !self.joined() {

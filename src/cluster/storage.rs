@@ -36,6 +36,7 @@ openraft::declare_raft_types!(
     pub TollgateRaft:
         D = (),
         R = (),
+        AsyncRuntime = super::raft_runtime::GroupRuntime,
 );
 
 pub type RaftEntry = Entry<TollgateRaft>;
