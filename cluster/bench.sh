@@ -15,7 +15,9 @@
 #    straight to its shard's leader); five nodes strict (nodes 4 and 5
 #    joined with `cluster add-node`), then again with CONNECTIONS x 25/9
 #    connections (as many hits in flight per peer link as three nodes
-#    have). Every hit is admitted (the rule has a
+#    have); then one node again. The ratios to one node use the mean of its
+#    two runs: a single run of it swung the ratios by up to 15 % from one
+#    bench to the next. Every hit is admitted (the rule has a
 #    huge limit), so every hit is replicated: the worst case. One generator
 #    per node, a share of the connections each, the same ACTORS actors for
 #    every setup. For each: the servers' CPU per hit (user + system of every
@@ -242,16 +244,26 @@ cluster_run() {
   echo "$nodes" > "$OUT_DIR/$name.nodes"
 }
 
-echo "one node" >&2
-"$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single.log" 2>&1 &
-single=$!
-sleep 1
-measure single "" "$single" &
-m=$!
-load single "127.0.0.1:$BASE_PORT" "$CONNECTIONS"
-wait "$m"
-kill "$single"; wait "$single" || true
-echo 1 > "$OUT_DIR/single.nodes"
+# single_run NAME: one node under the closed-loop load, measured.
+single_run() {
+  local name=$1 single m
+  echo "one node ($name)" >&2
+  "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/$name.log" 2>&1 &
+  single=$!
+  sleep 1
+  # A node that could not start (its port taken by a process left over
+  # from an interrupted run) must not let the load measure that process.
+  kill -0 "$single" 2> /dev/null \
+    || { echo "bench.sh: one node did not start: $(tail -1 "$OUT_DIR/$name.log")" >&2; exit 1; }
+  measure "$name" "" "$single" &
+  m=$!
+  load "$name" "127.0.0.1:$BASE_PORT" "$CONNECTIONS"
+  wait "$m"
+  kill "$single"; wait "$single" || true
+  echo 1 > "$OUT_DIR/$name.nodes"
+}
+
+single_run single
 
 for mode in strict fast aware; do
   echo "three nodes, $mode" >&2
@@ -287,6 +299,7 @@ for mode in strict fast aware; do
   "$ROOT/cluster/local.sh" down > /dev/null
   rm -rf "$RUN_DIR"
 done
+single_run single-again
 
 # Step 3: open loop at a third of the strict cluster's maximum.
 RATE=$(python3 - "$OUT_DIR" <<'PY'
@@ -360,7 +373,7 @@ def read(name):
         return json.load(f)
 def runs(name):
     nodes = int(open(path(name + ".nodes")).read())
-    return [read(name)] if name == "single" else [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
+    return [read(name)] if name.startswith("single") else [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
 def cpu(name):
     user, system = map(float, open(path(name + ".cpu")).read().split())
     return user, system
@@ -385,7 +398,8 @@ def stats_delta(name):
 rows = {}
 for name, label in [("single", "one node"), ("strict", "three nodes, strict"), ("fast", "three nodes, fast"),
                     ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
-                    ("five-scaled", "five nodes, strict, {connections} connections")]:
+                    ("five-scaled", "five nodes, strict, {connections} connections"),
+                    ("single-again", "one node, again (after the clusters)")]:
     r = runs(name)
     label = label.format(connections=sum(x["config"]["connections"] for x in r))
     throughput = sum(x["throughput_per_sec"] for x in r)
@@ -398,10 +412,15 @@ for name, label in [("single", "one node"), ("strict", "three nodes, strict"), (
                       cpu=(user + system) * 1e6 / max(hits, 1), user=user * 1e6 / max(hits, 1),
                       system=system * 1e6 / max(hits, 1),
                       syscalls=None if calls is None else calls / max(hits, 1), stats=stats_delta(name))
-single = rows["single"]
+# One node's figures, the denominator of every ratio: the mean of its two
+# runs (before and after the clusters).
+runs_of_one = [rows["single"], rows["single-again"]]
+single = {key: sum(r[key] for r in runs_of_one) / 2 for key in ("cpu", "throughput")}
 print(f"Closed loop, {connections} connections x pipeline {pipeline}, {duration:g} s measured, {actors} actors, "
       "every hit admitted (and so replicated). Clusters: one generator per node, a share of the connections each; "
       "latency columns give the range over the nodes.")
+print()
+print(f"One node's CPU per hit, the ratios' denominator, is the mean of its two runs: {single['cpu']:.2f} us.")
 print()
 print("| setup | hits/s | p50 (us) | p99 (us) | errors | server CPU per hit (us) | user / system | syscalls per hit | CPU per hit / one node's |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
