@@ -52,7 +52,9 @@ done
 [[ -z $PERF_EVENTS ]] || command -v perf > /dev/null || { echo "ab.sh: PERF_EVENTS needs perf, which is not installed" >&2; exit 2; }
 [[ -x $LOADTEST ]] || { echo "ab.sh: $LOADTEST is missing (cargo build --release --workspace)" >&2; exit 1; }
 export RULES="$OUT_DIR/bench.ini"
-printf '[path=/bench]\ncreditLimit = 1000000000\nresetSeconds = 3600\nactorField = user\n\n[default]\ncreditLimit = 0\nresetSeconds = 60\n' > "$RULES"
+# shellcheck source=cluster/bench-lib.sh
+source "$ROOT/cluster/bench-lib.sh"
+write_bench_rules "$RULES"
 RESULTS="$OUT_DIR/results.tsv"
 : > "$RESULTS"
 # Servers and generators of the run under way, stopped if the script ends early.
@@ -65,25 +67,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-cpu_ticks() { # user and system ticks of the given processes so far
-  local user=0 system=0 pid u s
-  for pid in "$@"; do
-    read -r u s < <(awk '{print $14, $15}' "/proc/$pid/stat")
-    user=$((user + u)); system=$((system + s))
-  done
-  echo "$user $system"
-}
-
-wait_balanced() { # three nodes up, none leading more than its share of the shards
-  local binary=$1 deadline=$((SECONDS + 60)) leads fair=$(( (SHARDS + 2) / 3 ))
-  while (( SECONDS < deadline )); do
-    leads=$("$binary" cluster status --node "127.0.0.1:$BASE_PORT" 2>/dev/null \
-      | awk '/^[0-9]+ +up / {print $NF}' | sort -n)
-    if [[ $(wc -l <<< "$leads") -eq 3 ]] && (( $(tail -1 <<< "$leads") <= fair )); then return 0; fi
-    sleep 0.5
-  done
-  echo "ab.sh: leaders not balanced after 60 s; measuring anyway" >&2
-}
 
 run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   local label=$1 binary=$2 mode=$3 pids="" generators=() targets=() flags=() n
@@ -102,7 +85,7 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
       [[ $mode == aware ]] && { consistency=fast; flags=(--leader-aware --rules "$RULES"); }
       TOLLGATE=$binary CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up.txt" 2>&1 \
         || { cat "$OUT_DIR/up.txt" >&2; exit 1; }
-      wait_balanced "$binary"
+      wait_balanced "$binary" 3
       pids=$(cat "$RUN_DIR"/node*.pid | tr '\n' ' ')
       for n in 0 1 2; do targets+=("127.0.0.1:$((BASE_PORT + n))"); done ;;
     *) echo "ab.sh: unknown mode $mode" >&2; exit 2 ;;

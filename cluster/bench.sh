@@ -77,17 +77,10 @@ export TOLLGATE BASE_PORT
 export RUN_DIR="$OUT_DIR/run"
 PERF=$(command -v perf || true)
 
+# shellcheck source=cluster/bench-lib.sh
+source "$ROOT/cluster/bench-lib.sh"
 RULES="$OUT_DIR/bench.ini"
-cat > "$RULES" <<'INI'
-[path=/bench]
-creditLimit = 1000000000
-resetSeconds = 3600
-actorField = user
-
-[default]
-creditLimit = 0
-resetSeconds = 60
-INI
+write_bench_rules "$RULES"
 export RULES
 
 # load NAME TARGET CONNECTIONS [MORE_LOADTEST_FLAGS...]
@@ -98,15 +91,6 @@ load() {
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$name.json" "$@" > "$OUT_DIR/$name.txt"
 }
 
-# CPU ticks (user, system) the given processes used so far.
-cpu_ticks() {
-  local user=0 system=0 pid
-  for pid in "$@"; do
-    read -r u s < <(awk '{print $14, $15}' "/proc/$pid/stat")
-    user=$((user + u)); system=$((system + s))
-  done
-  echo "$user $system"
-}
 # Writes NAME.cpu (user and system seconds over the measured window),
 # NAME.syscalls (system calls then, when perf works) and, for a cluster,
 # NAME.stats-before/after (the data path's counters).
@@ -130,24 +114,6 @@ measure() { # measure NAME STATUS_NODE PIDS...
 }
 cluster_pids() { cat "$RUN_DIR"/node*.pid; }
 
-# wait_balanced NODES: waits (up to 60 s) until NODES nodes are up and none
-# leads more than its share (SHARDS / NODES, rounded up: what the leader
-# balancer aims for), so that balancing (a handover collects and syncs the
-# shard's counters) is over before measuring: the figures are the steady
-# state's.
-wait_balanced() {
-  local nodes=$1 deadline=$((SECONDS + 60)) leads
-  local fair=$(( (SHARDS + nodes - 1) / nodes ))
-  while (( SECONDS < deadline )); do
-    leads=$("$TOLLGATE" cluster status --node "127.0.0.1:$BASE_PORT" 2>/dev/null \
-      | awk '/^[0-9]+ +up / {print $NF}' | sort -n)
-    if [[ $(wc -l <<< "$leads") -eq $nodes ]] && (( $(tail -1 <<< "$leads") <= fair )); then
-      return 0
-    fi
-    sleep 0.5
-  done
-  echo "bench.sh: leaders not balanced over $nodes nodes after 60 s (leads: $(echo $leads)); measuring anyway" >&2
-}
 
 # sum_rate NAME NODES: hits/s of NAME's generators, one per node, summed.
 sum_rate() {
@@ -177,7 +143,7 @@ if [[ ${1:-} == persist ]]; then
       else
         EXTRA_ARGS="--fsync $setup" "$ROOT/cluster/local.sh" up > /dev/null
       fi
-      wait_balanced 3
+      wait_balanced "$TOLLGATE" 3
       for n in 1 2 3; do
         load "$setup-$round-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / 3))" &
       done
@@ -270,7 +236,7 @@ for mode in strict fast aware; do
   consistency=$mode; flags=()
   if [[ $mode == aware ]]; then consistency=fast; flags=(--leader-aware --rules "$RULES"); fi
   CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$mode.txt"
-  wait_balanced 3
+  wait_balanced "$TOLLGATE" 3
   cluster_run "$mode" 3 "${flags[@]}"
   if [[ $mode == strict ]]; then
     echo "idle three-node cluster, ${IDLE_SECONDS} s" >&2
@@ -284,7 +250,7 @@ for mode in strict fast aware; do
     echo "five nodes, strict (nodes 4 and 5 join)" >&2
     "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-4.txt"
     "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-5.txt"
-    wait_balanced 5 # leader balancing hands the new nodes their share
+    wait_balanced "$TOLLGATE" 5 # leader balancing hands the new nodes their share
     cluster_run five 5
     # Again with CONNECTIONS x 25/9 connections: a closed loop keeps
     # CONNECTIONS x PIPELINE hits in flight, so each of the N x (N - 1)
@@ -323,7 +289,7 @@ kill "$single"; wait "$single" || true
 per_node=$((CONNECTIONS / 3))
 per_node_rate=$((RATE / 3))
 CONSISTENCY=strict "$ROOT/cluster/local.sh" up > /dev/null
-wait_balanced 3
+wait_balanced "$TOLLGATE" 3
 for n in 1 2 3; do
   open_load "open-strict-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" &
 done
@@ -359,7 +325,7 @@ PY
   wait || true
   rm -f "$RUN_DIR/node$victim.pid"
   "$ROOT/cluster/local.sh" start "$victim" > /dev/null
-  wait_balanced 3
+  wait_balanced "$TOLLGATE" 3
 done
 "$ROOT/cluster/local.sh" down > /dev/null
 

@@ -1,0 +1,47 @@
+# What cluster/bench.sh and cluster/ab.sh share, sourced by both: the bench
+# rule file, the CPU time of processes from /proc, and the wait for leader
+# balancing before a measurement. Expects SHARDS and BASE_PORT to be set.
+
+# write_bench_rules PATH: the rule every bench hit matches (a huge limit,
+# so every hit is admitted and replicated), and a default that denies.
+write_bench_rules() {
+  cat > "$1" <<'INI'
+[path=/bench]
+creditLimit = 1000000000
+resetSeconds = 3600
+actorField = user
+
+[default]
+creditLimit = 0
+resetSeconds = 60
+INI
+}
+
+# cpu_ticks PIDS...: CPU ticks (user, system) the given processes used so far.
+cpu_ticks() {
+  local user=0 system=0 pid u s
+  for pid in "$@"; do
+    read -r u s < <(awk '{print $14, $15}' "/proc/$pid/stat")
+    user=$((user + u)); system=$((system + s))
+  done
+  echo "$user $system"
+}
+
+# wait_balanced BINARY NODES: waits (up to 60 s) until NODES nodes are up and
+# none leads more than its share (SHARDS / NODES, rounded up: what the leader
+# balancer aims for), so that balancing (a handover collects and syncs the
+# shard's counters) is over before measuring: the figures are the steady
+# state's. If that does not happen, says so and measures anyway.
+wait_balanced() {
+  local binary=$1 nodes=$2 deadline=$((SECONDS + 60)) leads
+  local fair=$(( (SHARDS + nodes - 1) / nodes ))
+  while (( SECONDS < deadline )); do
+    leads=$("$binary" cluster status --node "127.0.0.1:$BASE_PORT" 2>/dev/null \
+      | awk '/^[0-9]+ +up / {print $NF}' | sort -n)
+    if [[ $(wc -l <<< "$leads") -eq $nodes ]] && (( $(tail -1 <<< "$leads") <= fair )); then
+      return 0
+    fi
+    sleep 0.5
+  done
+  echo "$(basename "$0"): leaders not balanced over $nodes nodes after 60 s (leads: $(echo $leads)); measuring anyway" >&2
+}
