@@ -255,6 +255,12 @@ impl Connection {
     /// once its deferred hits are decided (replies ready before then wait
     /// for them: one write per read batch, not one before and one after).
     fn execute_buffered_lines(&mut self) {
+        if self.input.unread().is_empty() {
+            // Nothing new since the last call (a turn woken by a batch's
+            // answers, or after a write): no batch to begin and end.
+            self.partial_line_since = None;
+            return;
+        }
         let mut batch = self.engine.begin_batch();
         if batch.is_some() && self.run.capacity() == 0 {
             // The last run went to its future: room for a pipelined read's.
