@@ -366,7 +366,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
                     continue;
                 }
                 let membership = m.membership_config.membership();
-                let voters: SmallVec<[NodeId; 8]> = membership.voter_ids().collect();
+                let voters = super::replica::voters_of(membership);
                 (m.state, m.current_leader, m.vote.leader_id.term, voters)
             };
             if state == ServerState::Leader || !voters.contains(&node.id) {

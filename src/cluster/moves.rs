@@ -183,7 +183,9 @@ impl ClusterNode {
                 (
                     m.state,
                     m.current_leader,
-                    membership.voter_ids().collect::<BTreeSet<_>>(),
+                    super::replica::voters_of(membership)
+                        .into_iter()
+                        .collect::<BTreeSet<_>>(),
                     membership.learner_ids().collect::<BTreeSet<_>>(),
                 )
             };

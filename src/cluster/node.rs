@@ -662,7 +662,7 @@ fn shard_report(replica: &Replica) -> ShardReport {
     };
     let membership = metrics.membership_config.membership();
     ShardReport {
-        voters: membership.voter_ids().collect(),
+        voters: super::replica::voters_of(membership).into_vec(),
         learners: membership.learner_ids().collect(),
         moving: replica.moving.lock().clone(),
         shard: replica.shard,
