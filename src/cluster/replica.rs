@@ -38,6 +38,8 @@ use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::data_frames::OpView;
+
 /// The voters of a group's membership (every configuration of a joint
 /// one), in order and without repeats, read where the membership keeps
 /// them. openraft's `Membership::voter_ids` clones each configuration's
@@ -59,8 +61,6 @@ pub fn voters_of<N: Node>(membership: &Membership<NodeId, N>) -> SmallVec<[NodeI
     }
     voters
 }
-
-use super::data_frames::OpView;
 
 /// What a replica that restarted empty must reach before it votes and
 /// stands for election again (learned from its peers when it joined).
