@@ -67,7 +67,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-
 run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   local label=$1 binary=$2 mode=$3 pids="" generators=() targets=() flags=() n
   case $mode in

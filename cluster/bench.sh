@@ -114,7 +114,6 @@ measure() { # measure NAME STATUS_NODE PIDS...
 }
 cluster_pids() { cat "$RUN_DIR"/node*.pid; }
 
-
 # sum_rate NAME NODES: hits/s of NAME's generators, one per node, summed.
 sum_rate() {
   python3 - "$OUT_DIR" "$1" "$2" <<'PY'

@@ -42,6 +42,28 @@ const HANDOVER_TAKEOVER_MS: u64 = 1_000;
 /// Counters per message when syncing a replica.
 pub const SYNC_CHUNK_COUNTERS: usize = 20_000;
 
+/// The voters of a group's membership (every configuration of a joint
+/// one), in order and without repeats, read where the membership keeps
+/// them. openraft's `Membership::voter_ids` clones each configuration's
+/// set at every call, which the control plane's per-shard scans (the
+/// election watch ten times a second, rebalancing, status reports) paid
+/// for every shard: a fifth of an idle 1 024-shard node's CPU.
+pub fn voters_of(membership: &Membership<NodeId, BasicNode>) -> SmallVec<[NodeId; 8]> {
+    let mut voters: SmallVec<[NodeId; 8]> = SmallVec::new();
+    match membership.get_joint_config().as_slice() {
+        // One configuration (no change under way): a set, so in order.
+        [config] => voters.extend(config.iter().copied()),
+        configs => {
+            for config in configs {
+                voters.extend(config.iter().copied());
+            }
+            voters.sort_unstable();
+            voters.dedup();
+        }
+    }
+    voters
+}
+
 /// The commit rule of a shard led here, from its membership and the
 /// replicas joining in a move.
 pub fn shard_config(
@@ -366,7 +388,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
                     continue;
                 }
                 let membership = m.membership_config.membership();
-                let voters = super::replica::voters_of(membership);
+                let voters = voters_of(membership);
                 (m.state, m.current_leader, m.vote.leader_id.term, voters)
             };
             if state == ServerState::Leader || !voters.contains(&node.id) {
@@ -496,4 +518,30 @@ async fn hand_over_steps(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn voters_are_read_in_order_without_repeats_as_openraft_lists_them() {
+        use std::collections::BTreeSet;
+        let sets = |configs: &[&[NodeId]]| -> Vec<BTreeSet<NodeId>> {
+            configs
+                .iter()
+                .map(|c| c.iter().copied().collect())
+                .collect()
+        };
+        for configs in [
+            sets(&[&[3, 1, 2]]),
+            sets(&[&[1, 2, 3], &[2, 3, 4]]),
+            sets(&[&[5, 4], &[1], &[4, 1, 6]]),
+            sets(&[&[]]),
+        ] {
+            let membership: Membership<NodeId, BasicNode> = Membership::new(configs, ());
+            let expected: Vec<NodeId> = membership.voter_ids().collect();
+            assert_eq!(voters_of(&membership).to_vec(), expected);
+        }
+    }
 }

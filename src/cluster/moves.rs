@@ -183,7 +183,7 @@ impl ClusterNode {
                 (
                     m.state,
                     m.current_leader,
-                    super::replica::voters_of(membership)
+                    super::leadership::voters_of(membership)
                         .into_iter()
                         .collect::<BTreeSet<_>>(),
                     membership.learner_ids().collect::<BTreeSet<_>>(),

@@ -669,7 +669,7 @@ fn shard_report(replica: &Replica) -> ShardReport {
     };
     let membership = metrics.membership_config.membership();
     ShardReport {
-        voters: super::replica::voters_of(membership).into_vec(),
+        voters: super::leadership::voters_of(membership).into_vec(),
         learners: membership.learner_ids().collect(),
         moving: replica.moving.lock().clone(),
         shard: replica.shard,

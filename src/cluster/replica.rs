@@ -32,35 +32,13 @@ use crate::limiter::{CounterState, Decision, WindowQuota};
 use crate::store::{algorithm_hit, MemoryStore, StoreFull};
 use arc_swap::ArcSwap;
 use openraft::raft::VoteRequest;
-use openraft::{LogId, Membership, Node, Raft};
+use openraft::{LogId, Raft};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::data_frames::OpView;
-
-/// The voters of a group's membership (every configuration of a joint
-/// one), in order and without repeats, read where the membership keeps
-/// them. openraft's `Membership::voter_ids` clones each configuration's
-/// set at every call, which the control plane's per-shard scans (the
-/// election watch ten times a second, rebalancing, status reports) paid
-/// for every shard: a fifth of an idle 1 024-shard node's CPU.
-pub fn voters_of<N: Node>(membership: &Membership<NodeId, N>) -> SmallVec<[NodeId; 8]> {
-    let mut voters: SmallVec<[NodeId; 8]> = SmallVec::new();
-    match membership.get_joint_config().as_slice() {
-        // One configuration (no change under way): a set, so in order.
-        [config] => voters.extend(config.iter().copied()),
-        configs => {
-            for config in configs {
-                voters.extend(config.iter().copied());
-            }
-            voters.sort_unstable();
-            voters.dedup();
-        }
-    }
-    voters
-}
 
 /// What a replica that restarted empty must reach before it votes and
 /// stands for election again (learned from its peers when it joined).
@@ -446,27 +424,6 @@ impl Replica {
 mod tests {
     use super::*;
     use smallvec::smallvec;
-
-    #[test]
-    fn voters_are_read_in_order_without_repeats_as_openraft_lists_them() {
-        use std::collections::BTreeSet;
-        let sets = |configs: &[&[NodeId]]| -> Vec<BTreeSet<NodeId>> {
-            configs
-                .iter()
-                .map(|c| c.iter().copied().collect())
-                .collect()
-        };
-        for configs in [
-            sets(&[&[3, 1, 2]]),
-            sets(&[&[1, 2, 3], &[2, 3, 4]]),
-            sets(&[&[5, 4], &[1], &[4, 1, 6]]),
-            sets(&[&[]]),
-        ] {
-            let membership: Membership<NodeId, openraft::BasicNode> = Membership::new(configs, ());
-            let expected: Vec<NodeId> = membership.voter_ids().collect();
-            assert_eq!(voters_of(&membership).to_vec(), expected);
-        }
-    }
 
     #[test]
     fn commit_needs_a_majority_of_every_voter_set() {
