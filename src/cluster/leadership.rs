@@ -26,9 +26,9 @@ use super::wire::{ApplyRefusal, PeerRequest, PeerResponse};
 use super::NodeId;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use openraft::BasicNode;
-use openraft::{Membership, ServerState};
+use openraft::{Membership, ServerState, StoredMembership};
 use smallvec::SmallVec;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -358,14 +358,66 @@ fn jitter(bound: u64) -> u64 {
     u64::from_le_bytes(bytes) % bound.max(1)
 }
 
+/// A group's voters, as [`voters_of`] gives them.
+type Voters = SmallVec<[NodeId; 8]>;
+
+/// What the election watcher keeps of one shard from look to look.
+#[derive(Default)]
+struct ShardWatch {
+    /// Since when no live leader was seen (`None`: one was).
+    suspected: Option<Instant>,
+    /// When this node may stand again.
+    last_try: Option<Instant>,
+    /// The leader and term last seen, and since when.
+    leader_since: Option<(NodeId, u64, Instant)>,
+    /// The group's voters, with the membership they were read from: read
+    /// again only when the membership changes (a pointer compare), not
+    /// walked ten times a second for every shard.
+    voters: Option<(Arc<StoredMembership<NodeId, BasicNode>>, Voters)>,
+}
+
+/// What one look of the election watcher learns about a leader node, once
+/// per node rather than once per shard it leads: whether it is heard from,
+/// and when its latest report arrived.
+#[derive(Default)]
+struct LeaderLooks {
+    seen: SmallVec<[(NodeId, bool, Option<Instant>); 8]>,
+}
+
+impl LeaderLooks {
+    fn look(&mut self, node: &ClusterNode, leader: NodeId) -> (bool, Option<Instant>) {
+        if let Some(&(_, heard, report)) = self.seen.iter().find(|(id, ..)| *id == leader) {
+            return (heard, report);
+        }
+        let heard = node.dp.alive(leader);
+        let report = node.report_times.lock().get(&leader).copied();
+        self.seen.push((leader, heard, report));
+        (heard, report)
+    }
+
+    fn heard(&mut self, node: &ClusterNode, leader: NodeId) -> bool {
+        self.look(node, leader).0
+    }
+
+    fn disowned(
+        &mut self,
+        node: &ClusterNode,
+        claims: &BTreeMap<NodeId, Vec<bool>>,
+        leader: NodeId,
+        shard: u32,
+        since: Instant,
+    ) -> bool {
+        let received = self.look(node, leader).1;
+        super::node::disowned_by(received, claims, leader, shard, since)
+    }
+}
+
 /// Stands for election in shards whose leader this node cannot hear (see
 /// the module doc). Runs until the process ends.
 pub async fn watch_elections(node: Arc<ClusterNode>) {
     let election_ms = node.election_timeout_ms.max(1);
-    let mut suspected: HashMap<u32, Instant> = HashMap::new();
-    let mut last_try: HashMap<u32, Instant> = HashMap::new();
-    // Since when this node has seen each shard's current leader as such.
-    let mut leader_since: HashMap<u32, (NodeId, u64, Instant)> = HashMap::new();
+    // What the watcher keeps of each shard from look to look, by shard.
+    let mut watched: Vec<ShardWatch> = Vec::new();
     let mut tick = super::cadence::interval(Duration::from_millis(ELECTION_CHECK_MS));
     loop {
         tick.tick().await;
@@ -374,48 +426,72 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
         }
         let now = Instant::now();
         let claims = super::node::claimed_leads(&node.last_reports.lock());
-        for replica in node.replicas() {
+        let mut leaders = LeaderLooks::default();
+        // The table itself, not a list of its replicas: no reference count
+        // taken and dropped per shard.
+        let table = node.dp.replicas_full();
+        watched.resize_with(node.placement.shards() as usize, ShardWatch::default);
+        for replica in table
+            .iter()
+            .take(node.placement.shards() as usize)
+            .flatten()
+        {
             let shard = replica.shard;
+            let Some(watch) = watched.get_mut(shard as usize) else {
+                continue;
+            };
             if replica.recovering() || replica.handing_over.load(Ordering::Acquire) {
-                suspected.remove(&shard);
+                watch.suspected = None;
                 continue;
             }
             let (state, leader, term, voters) = {
                 let m = replica.raft.server_metrics();
                 let m = m.borrow();
                 if m.state == ServerState::Leader {
-                    suspected.remove(&shard);
+                    watch.suspected = None;
                     continue;
                 }
-                let membership = m.membership_config.membership();
-                let voters = voters_of(membership);
+                let voters = match &watch.voters {
+                    Some((seen, voters)) if Arc::ptr_eq(seen, &m.membership_config) => {
+                        voters.clone()
+                    }
+                    _ => {
+                        let voters = voters_of(m.membership_config.membership());
+                        let seen = Arc::clone(&m.membership_config);
+                        watch.voters = Some((seen, voters.clone()));
+                        voters
+                    }
+                };
                 (m.state, m.current_leader, m.vote.leader_id.term, voters)
             };
             if state == ServerState::Leader || !voters.contains(&node.id) {
-                suspected.remove(&shard);
+                watch.suspected = None;
                 continue;
             }
             // A leader outside the voters (removed by a membership change)
             // leads no more.
             let leader = leader.filter(|&l| l != node.id && voters.contains(&l));
-            let since = match (leader, leader_since.get(&shard)) {
-                (Some(l), Some(&(known, known_term, at))) if known == l && known_term == term => at,
+            let since = match (leader, watch.leader_since) {
+                (Some(l), Some((known, known_term, at))) if known == l && known_term == term => at,
                 (Some(l), _) => {
-                    leader_since.insert(shard, (l, term, now));
+                    watch.leader_since = Some((l, term, now));
                     now
                 }
                 (None, _) => now,
             };
             let (dead, delay_rounds) = match leader {
-                Some(l) if node.dp.alive(l) && !node.disowned(&claims, l, shard, since) => {
-                    suspected.remove(&shard);
+                Some(l)
+                    if leaders.heard(&node, l)
+                        && !leaders.disowned(&node, &claims, l, shard, since) =>
+                {
+                    watch.suspected = None;
                     continue;
                 }
                 Some(l) => (Some(l), 0),
                 None => (None, 1),
             };
-            let since = *suspected.entry(shard).or_insert(now);
-            let Some(rank) = standing_rank(&node, &replica, &voters, dead) else {
+            let since = *watch.suspected.get_or_insert(now);
+            let Some(rank) = standing_rank(&node, replica, &voters, dead) else {
                 continue;
             };
             // The first-ranked voter stands first and again every two to
@@ -425,10 +501,10 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
             // over the one that can win.
             let rank = rank as u64;
             let delay = Duration::from_millis(election_ms * (rank * 4 + delay_rounds));
-            let again = last_try.get(&shard).is_none_or(|at| now >= *at);
+            let again = watch.last_try.is_none_or(|at| now >= at);
             if now.saturating_duration_since(since) >= delay && again {
                 let pause = election_ms * (2 + rank * 4) + jitter(election_ms);
-                last_try.insert(shard, now + Duration::from_millis(pause));
+                watch.last_try = Some(now + Duration::from_millis(pause));
                 let (applied, last_log) = {
                     let m = replica.raft.metrics();
                     let m = m.borrow();

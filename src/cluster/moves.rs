@@ -50,9 +50,11 @@ impl ClusterNode {
                         continue;
                     }
                     self.leaders.observe(shard.shard, peer, shard.term);
+                    // Replaced only when it changed: a settled shard's
+                    // report is the same poll after poll.
                     let newer = views
                         .get(&shard.shard)
-                        .is_none_or(|known| known.term <= shard.term);
+                        .is_none_or(|known| known.term <= shard.term && known != shard);
                     if newer {
                         views.insert(shard.shard, shard.clone());
                     }
@@ -147,7 +149,7 @@ impl ClusterNode {
 
     /// Starts replicas the member list places here that do not run yet.
     async fn start_placed_replicas(self: &Arc<Self>) {
-        for shard in self.target_placement().shards_of_node(self.id) {
+        for shard in self.shards_placed_on(self.id) {
             if self.replica(shard).is_some() {
                 continue;
             }
@@ -168,31 +170,48 @@ impl ClusterNode {
 
     /// What [`plan`] needs, as this node sees it now.
     fn view(&self) -> ClusterView {
-        let placement = self.target_placement();
+        // Each shard's target replicas: the leader orders computed when the
+        // member list changed hold them (a permutation of the placement's).
+        let target_orders = self.target();
         let moving = self.moving.lock().clone();
-        let views = self.leader_views.lock().clone();
+        // Read in place (nothing below waits): a copy of every shard's
+        // report, at every look, was most of an idle node's rebalancing.
+        let views = self.leader_views.lock();
         let mut led = Vec::new();
         let mut followed = Vec::new();
-        for replica in self.replicas() {
+        let table = self.dp.replicas_full();
+        for replica in table
+            .iter()
+            .take(self.placement.shards() as usize)
+            .flatten()
+        {
             let shard = replica.shard;
-            let target: BTreeSet<NodeId> = placement.replicas_of(shard).into_iter().collect();
-            let (state, leader, voters, learners) = {
+            let target: BTreeSet<NodeId> = target_orders
+                .1
+                .get(shard as usize)
+                .into_iter()
+                .flatten()
+                .copied()
+                .collect();
+            // Voters and learners as sets only for the shards led here (the
+            // plan reads them for those alone).
+            let led_sets = {
                 let m = replica.raft.server_metrics();
                 let m = m.borrow();
                 let membership = m.membership_config.membership();
-                (
-                    m.state,
-                    m.current_leader,
-                    super::leadership::voters_of(membership)
-                        .into_iter()
-                        .collect::<BTreeSet<_>>(),
-                    membership.learner_ids().collect::<BTreeSet<_>>(),
-                )
+                if membership.get_joint_config().iter().all(BTreeSet::is_empty) {
+                    continue; // Not initialized yet (a new replica waiting to be added).
+                }
+                (m.state == ServerState::Leader && m.current_leader == Some(self.id)).then(|| {
+                    (
+                        super::leadership::voters_of(membership)
+                            .into_iter()
+                            .collect::<BTreeSet<_>>(),
+                        membership.learner_ids().collect::<BTreeSet<_>>(),
+                    )
+                })
             };
-            if voters.is_empty() {
-                continue; // Not initialized yet (a new replica waiting to be added).
-            }
-            if state == ServerState::Leader && leader == Some(self.id) {
+            if let Some((voters, learners)) = led_sets {
                 led.push(LedShard {
                     shard,
                     voters,
@@ -212,6 +231,7 @@ impl ClusterNode {
                 });
             }
         }
+        drop(views);
         let leaders = (0..self.placement.shards())
             .filter_map(|shard| self.leaders.leader(shard).map(|l| (shard, l)))
             .collect();

@@ -227,6 +227,27 @@ impl ClusterNode {
         self.target.read().0.clone()
     }
 
+    /// The shards the member list places on `node`, read from the leader
+    /// orders computed when the member list last changed (not from the
+    /// placement's hashes, shard by shard, at every look).
+    pub fn shards_placed_on(&self, node: NodeId) -> Vec<u32> {
+        let target = self.target();
+        (0..self.placement.shards())
+            .filter(|&shard| {
+                target
+                    .1
+                    .get(shard as usize)
+                    .is_some_and(|o| o.contains(&node))
+            })
+            .collect()
+    }
+
+    /// The member list's target: its placement and each shard's replicas
+    /// in the order they should lead it (see [`Placement::leader_orders`]).
+    pub fn target(&self) -> Arc<(Placement, Vec<Vec<NodeId>>)> {
+        Arc::clone(&self.target.read())
+    }
+
     /// The replicas of `shard` in the order they should lead it (see
     /// [`Placement::leader_orders`]).
     pub fn leader_order(&self, shard: u32) -> Vec<NodeId> {
@@ -282,33 +303,6 @@ impl ClusterNode {
             .filter(|(&peer, _)| peer != self.id)
             .map(|(&peer, addresses)| (peer, self.links.ensure(peer, addresses.peer)))
             .collect()
-    }
-
-    /// Does `leader`'s own latest report, taken after `since`, say it does
-    /// not lead `shard`? (It restarted, or stepped down, without anyone
-    /// electing a successor.)
-    pub(super) fn disowned(
-        &self,
-        claims: &BTreeMap<NodeId, Vec<bool>>,
-        leader: NodeId,
-        shard: u32,
-        since: Instant,
-    ) -> bool {
-        let received = self.report_times.lock().get(&leader).copied();
-        let Some(received) = received else {
-            return false;
-        };
-        // The report was made at most a status timeout before it arrived.
-        if received
-            .checked_sub(std::time::Duration::from_millis(STATUS_TIMEOUT_MS))
-            .is_none_or(|made| made <= since)
-        {
-            return false;
-        }
-        match claims.get(&leader) {
-            Some(leads) => !leads.get(shard as usize).copied().unwrap_or(false),
-            None => false,
-        }
     }
 
     /// The link to a member, made if missing.
@@ -681,6 +675,32 @@ fn shard_report(replica: &Replica) -> ShardReport {
         recovering: replica.recovering(),
         ready: replica.ready_term().is_some(),
         lag,
+    }
+}
+
+/// Does `leader`'s own latest report (received at `received`), taken after
+/// `since`, say it does not lead `shard`? (It restarted, or stepped down,
+/// without anyone electing a successor.)
+pub(super) fn disowned_by(
+    received: Option<Instant>,
+    claims: &BTreeMap<NodeId, Vec<bool>>,
+    leader: NodeId,
+    shard: u32,
+    since: Instant,
+) -> bool {
+    let Some(received) = received else {
+        return false;
+    };
+    // The report was made at most a status timeout before it arrived.
+    if received
+        .checked_sub(std::time::Duration::from_millis(STATUS_TIMEOUT_MS))
+        .is_none_or(|made| made <= since)
+    {
+        return false;
+    }
+    match claims.get(&leader) {
+        Some(leads) => !leads.get(shard as usize).copied().unwrap_or(false),
+        None => false,
     }
 }
 
