@@ -879,6 +879,7 @@ impl Engine {
         hit: &DeferredHit,
         answers: &SlotAnswers,
         decided_at: Moment,
+        label_counts: Option<&[Arc<ThreadLabelCounts>]>,
     ) -> Reply {
         let ops = hit
             .plan
@@ -896,8 +897,21 @@ impl Engine {
             hit.peek,
             hit.arrival,
             DecidedAt::At(decided_at),
-            None,
+            label_counts,
         )
+    }
+
+    /// Runs `f` with this thread's cells of `loaded`'s label counters when
+    /// `loaded` is the rule set this thread serves (`None` otherwise: the
+    /// shared counters), for [`Engine::finish_deferred`]: a batch's replies
+    /// finished later count where the thread's own requests count, not with
+    /// a locked add per hit.
+    pub fn with_label_counts<R>(
+        &self,
+        loaded: &Arc<LoadedRules>,
+        f: impl FnOnce(Option<&[Arc<ThreadLabelCounts>]>) -> R,
+    ) -> R {
+        self.with_rules(|current, counts| f(Arc::ptr_eq(loaded, current).then_some(counts)))
     }
 
     /// Turns decisions into the reply (the last evaluated rule's) and counts

@@ -254,6 +254,18 @@ pub struct OpView<'a> {
     pub bucket: Option<BucketOp>,
 }
 
+impl OpView<'_> {
+    /// An op of nothing, to be read into ([`Reader::op_into`]).
+    pub const EMPTY: OpView<'static> = OpView {
+        key: &[],
+        algorithm: Algorithm::FixedWindow,
+        credit_limit: 0,
+        reset_seconds: 0,
+        peek: false,
+        bucket: None,
+    };
+}
+
 /// A droplet take or query as it is forwarded to the bucket's leader.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BucketOp {
@@ -327,6 +339,9 @@ impl<'a> Reader<'a> {
         Ok(String::from_utf8_lossy(bytes).into_owned())
     }
 
+    /// Reads a counter state: inlined into the round loops (see
+    /// [`Reader::op`]), a droplet period out of line.
+    #[inline(always)]
     pub fn state(&mut self) -> Result<CounterState, FrameError> {
         Ok(match self.u8()? {
             0 => CounterState::Window {
@@ -345,22 +360,64 @@ impl<'a> Reader<'a> {
                 current: self.varint()?,
                 previous: self.varint()?,
             },
-            3 => CounterState::DropletPeriod(PeriodCell {
-                version: self.varint()?,
-                forget_at_ms: self.varint()?,
-                full_ms: self.varint()?,
-                remainder: self.u32()?,
-                limit: self.u32()?,
-            }),
+            3 => self.period_state()?,
             _ => return Err(FrameError::Invalid("counter state")),
         })
     }
 
-    #[inline]
+    /// The rest of a droplet period's state (see [`Reader::state`]).
+    #[cold]
+    #[inline(never)]
+    fn period_state(&mut self) -> Result<CounterState, FrameError> {
+        Ok(CounterState::DropletPeriod(PeriodCell {
+            version: self.varint()?,
+            forget_at_ms: self.varint()?,
+            full_ms: self.varint()?,
+            remainder: self.u32()?,
+            limit: self.u32()?,
+        }))
+    }
+
+    /// Reads a forwarded op.
     pub fn op(&mut self) -> Result<OpView<'a>, FrameError> {
+        let mut op = OpView::EMPTY;
+        self.op_into(&mut op)?;
+        Ok(op)
+    }
+
+    /// Reads a forwarded op into `op`, field by field (the frame loop's
+    /// form, inlined, the rare bucket form out of line). An op returned
+    /// whole went through memory: its fields stored one by one, then read
+    /// back 16 bytes at a time, which the store buffer cannot forward, a
+    /// stall on every forwarded hit (docs/benchmarks.md, "Fifteenth
+    /// round").
+    #[inline(always)]
+    pub fn op_into(&mut self, op: &mut OpView<'a>) -> Result<(), FrameError> {
         let key = self.bytes()?;
         let flags = self.u8()?;
         if flags & 0x7f == BUCKET_OP_CODE {
+            *op = self.bucket_op(key, flags)?;
+            return Ok(());
+        }
+        op.algorithm = match flags & 0x7f {
+            0 => Algorithm::FixedWindow,
+            1 => Algorithm::TokenBucket,
+            2 => Algorithm::SlidingWindow,
+            _ => return Err(FrameError::Invalid("algorithm")),
+        };
+        op.key = key;
+        op.peek = flags & 0x80 != 0;
+        op.credit_limit = self.varint()?;
+        op.reset_seconds = self.varint()?;
+        op.bucket = None;
+        Ok(())
+    }
+
+    /// The rest of a droplet bucket's op (see [`Reader::op`]).
+    #[cold]
+    #[inline(never)]
+    fn bucket_op(&mut self, key: &'a [u8], flags: u8) -> Result<OpView<'a>, FrameError> {
+        {
             let count =
                 i32::try_from(self.signed()?).map_err(|_| FrameError::Invalid("bucket count"))?;
             let reset = match self.u8()? {
@@ -373,7 +430,7 @@ impl<'a> Reader<'a> {
             for limit in &mut limits {
                 *limit = self.u32()?;
             }
-            return Ok(OpView {
+            Ok(OpView {
                 key,
                 algorithm: Algorithm::FixedWindow,
                 credit_limit: 0,
@@ -387,22 +444,8 @@ impl<'a> Reader<'a> {
                     },
                     cleanup_interval_ms,
                 }),
-            });
+            })
         }
-        let algorithm = match flags & 0x7f {
-            0 => Algorithm::FixedWindow,
-            1 => Algorithm::TokenBucket,
-            2 => Algorithm::SlidingWindow,
-            _ => return Err(FrameError::Invalid("algorithm")),
-        };
-        Ok(OpView {
-            key,
-            algorithm,
-            peek: flags & 0x80 != 0,
-            credit_limit: self.varint()?,
-            reset_seconds: self.varint()?,
-            bucket: None,
-        })
     }
 
     fn refusal(&mut self) -> Result<ShardRefusal, FrameError> {
@@ -420,13 +463,74 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// Reads an answer's decision.
     pub fn decision(&mut self) -> Result<WireDecision, FrameError> {
-        Ok(match self.u8()? {
-            code @ (0 | 1) => WireDecision::Decided {
-                allowed: code == 1,
-                credit: self.signed()?,
-                next_reset_seconds: self.signed()?,
-            },
+        let mut decision = WireDecision::Full { live_keys_max: 0 };
+        self.decision_into(&mut decision)?;
+        Ok(decision)
+    }
+
+    /// Reads an answer's decision into `decision` (see
+    /// [`Reader::op_into`]): a decided hit inlined, the rest out of line.
+    #[inline(always)]
+    pub fn decision_into(&mut self, decision: &mut WireDecision) -> Result<(), FrameError> {
+        match self.u8()? {
+            code @ (0 | 1) => {
+                let credit = self.signed()?;
+                let next_reset_seconds = self.signed()?;
+                *decision = WireDecision::Decided {
+                    allowed: code == 1,
+                    credit,
+                    next_reset_seconds,
+                };
+            }
+            code => *decision = self.rare_decision(code)?,
+        }
+        Ok(())
+    }
+
+    /// Reads `count` answers, `(batch, index, decision)`, appending them to
+    /// `into` when `keep` (else reading past them). Each is decoded where
+    /// it will stay, not built and then copied (see [`Reader::op_into`]).
+    #[inline(always)]
+    pub fn answers_into(
+        &mut self,
+        count: u32,
+        keep: bool,
+        into: &mut Vec<(u64, u32, WireDecision)>,
+    ) -> Result<(), FrameError> {
+        let placeholder = (0, 0, WireDecision::Full { live_keys_max: 0 });
+        if !keep {
+            let mut skipped = placeholder;
+            for _ in 0..count {
+                self.varint()?;
+                self.u32()?;
+                self.decision_into(&mut skipped.2)?;
+            }
+            return Ok(());
+        }
+        // The section's entries made first (`count` was checked against
+        // the bytes left), then each filled in where it lies.
+        let start = into.len();
+        into.resize(start + count as usize, placeholder);
+        for entry in &mut into[start..] {
+            let read = (|| {
+                entry.0 = self.varint()?;
+                entry.1 = self.u32()?;
+                self.decision_into(&mut entry.2)
+            })();
+            if let Err(error) = read {
+                into.truncate(start);
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn rare_decision(&mut self, code: u8) -> Result<WireDecision, FrameError> {
+        Ok(match code {
             2 => WireDecision::Unavailable {
                 shard: self.u32()?,
                 why: self.refusal()?,

@@ -374,14 +374,16 @@ impl Connection {
                     None => Vec::new(),
                 };
                 let decided_at = Moment::now();
-                run.into_iter()
-                    .map(|item| match item {
-                        RunItem::Ready(reply) => reply,
-                        RunItem::Deferred(hit) => {
-                            engine.finish_deferred(&rules, &hit, &answers, decided_at)
-                        }
-                    })
-                    .collect()
+                engine.with_label_counts(&rules, |counts| {
+                    run.into_iter()
+                        .map(|item| match item {
+                            RunItem::Ready(reply) => reply,
+                            RunItem::Deferred(hit) => {
+                                engine.finish_deferred(&rules, &hit, &answers, decided_at, counts)
+                            }
+                        })
+                        .collect()
+                })
             })));
     }
 

@@ -7,6 +7,8 @@
 //! it for its peer address), `cluster status` pointed at a peer port says
 //! what it takes, and a joining node's banner says it is not a member yet.
 //! A node whose client address is taken says so and exits before it joins.
+//! Per-shard series show leaders, terms and replication, and the hits a node
+//! answered, forwarded or not, count once in their rule's series.
 
 use crate::cluster_support::{converse, http_get, metric, Fault, TestCluster, TOLLGATE};
 use std::process::Command;
@@ -209,6 +211,15 @@ fn per_shard_series_show_leaders_terms_replication_and_no_lag() {
     assert!(
         answers.iter().all(|a| a.starts_with("OK true ")),
         "{answers:?}"
+    );
+    // Every hit node 1 answered, decided there or forwarded and finished
+    // with its read batch's answers, counts once in its rule's series.
+    assert_eq!(
+        metric(
+            cluster.metrics_addr(1),
+            "divvy_hits_total{status=\"accepted\",rule_label=\"\"}"
+        ),
+        Some(hits as f64)
     );
 
     let mut leaders = vec![0.0; SHARDS as usize];

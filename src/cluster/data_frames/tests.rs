@@ -449,3 +449,89 @@ fn skimming_a_frame_finds_the_keys_the_full_walk_finds() {
     });
     assert_eq!(seen, 2);
 }
+
+#[test]
+fn answers_read_in_place_keep_skip_and_leave_nothing_half_read() {
+    let decisions = [
+        WireDecision::Decided {
+            allowed: true,
+            credit: 999,
+            next_reset_seconds: 60,
+        },
+        WireDecision::Retry {
+            shard: 7,
+            why: ShardRefusal::Other("moving".into()),
+        },
+        WireDecision::Decided {
+            allowed: false,
+            credit: -3,
+            next_reset_seconds: 0,
+        },
+    ];
+    let mut body = Vec::new();
+    for (index, decision) in decisions.iter().enumerate() {
+        put_varint(&mut body, 41);
+        put_varint(&mut body, index as u64);
+        put_decision(&mut body, decision);
+    }
+    let expected: Vec<(u64, u32, WireDecision)> = decisions
+        .iter()
+        .enumerate()
+        .map(|(index, decision)| (41, index as u32, decision.clone()))
+        .collect();
+    // Kept: appended after what the list held, each as written.
+    let kept_before = (1, 2, WireDecision::Full { live_keys_max: 5 });
+    let mut into = vec![kept_before.clone()];
+    let mut reader = Reader::new(&body);
+    reader.answers_into(3, true, &mut into).unwrap();
+    assert!(reader.is_empty());
+    assert_eq!(into[0], kept_before);
+    assert_eq!(&into[1..], &expected[..]);
+    // Skipped: read past, nothing appended.
+    let mut into = Vec::new();
+    let mut reader = Reader::new(&body);
+    reader.answers_into(3, false, &mut into).unwrap();
+    assert!(reader.is_empty() && into.is_empty());
+    // Cut short anywhere: an error, and the list as it was.
+    for cut in 0..body.len() {
+        let mut into = vec![kept_before.clone()];
+        let mut reader = Reader::new(&body[..cut]);
+        assert!(
+            reader.answers_into(3, true, &mut into).is_err(),
+            "cut at {cut}"
+        );
+        assert_eq!(into, vec![kept_before.clone()], "cut at {cut}");
+    }
+}
+
+#[test]
+fn an_op_read_into_a_reused_view_replaces_every_field() {
+    let bucket = bucket_take(
+        b"\x00bucket",
+        TakeRequest {
+            count: 2,
+            reset: false,
+            limits: [5, 0, 0, 0, 0, 0],
+        },
+        1_000,
+    );
+    let rule_op = OpView {
+        key: b"rule-key",
+        algorithm: Algorithm::SlidingWindow,
+        credit_limit: 100,
+        reset_seconds: 60,
+        peek: true,
+        bucket: None,
+    };
+    let mut body = Vec::new();
+    put_op(&mut body, &bucket);
+    put_op(&mut body, &rule_op);
+    put_op(&mut body, &bucket);
+    let mut reader = Reader::new(&body);
+    let mut op = OpView::EMPTY;
+    for expected in [bucket, rule_op, bucket] {
+        reader.op_into(&mut op).unwrap();
+        assert_eq!(op, expected);
+    }
+    assert!(reader.is_empty());
+}

@@ -123,8 +123,9 @@ impl DataPlane {
                         let batch = reader.varint()?;
                         let count = reader.count(4)?;
                         DataStats::add(&self.stats.forwards_decided, u64::from(count));
+                        let mut op = OpView::EMPTY;
                         for index in 0..count {
-                            let op = reader.op()?;
+                            reader.op_into(&mut op)?;
                             let answer = self.decide_forwarded(
                                 &replicas,
                                 (from, from_boot),
@@ -151,12 +152,7 @@ impl DataPlane {
                         // read past, never taken.
                         let mine = reader.varint()? == self.boot;
                         let count = reader.count(3)?;
-                        for _ in 0..count {
-                            let answer = (reader.varint()?, reader.u32()?, reader.decision()?);
-                            if mine {
-                                answered.push(answer);
-                            }
-                        }
+                        reader.answers_into(count, mine, answered)?;
                         self.take_answers(answered);
                     }
                     tag::ROUND => {
@@ -171,12 +167,7 @@ impl DataPlane {
                         let header = RoundAnswersHeader::read(&mut reader)?;
                         let holds = header.boot == self.boot
                             && applied_before == Some((header.round, header.shard));
-                        for _ in 0..header.count {
-                            let answer = (reader.varint()?, reader.u32()?, reader.decision()?);
-                            if holds {
-                                answered_with_rounds.push(answer);
-                            }
-                        }
+                        reader.answers_into(header.count, holds, answered_with_rounds)?;
                     }
                     tag::ACK => {
                         let ack = Ack::read(&mut reader)?;
