@@ -366,7 +366,6 @@ impl<'a> Reader<'a> {
     }
 
     /// The rest of a droplet period's state (see [`Reader::state`]).
-    #[cold]
     #[inline(never)]
     fn period_state(&mut self) -> Result<CounterState, FrameError> {
         Ok(CounterState::DropletPeriod(PeriodCell {
@@ -386,7 +385,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a forwarded op into `op`, field by field (the frame loop's
-    /// form, inlined, the rare bucket form out of line). An op returned
+    /// form, inlined; a droplet bucket's form out of line). An op returned
     /// whole went through memory: its fields stored one by one, then read
     /// back 16 bytes at a time, which the store buffer cannot forward, a
     /// stall on every forwarded hit (docs/benchmarks.md, "Fifteenth
@@ -413,39 +412,36 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// The rest of a droplet bucket's op (see [`Reader::op`]).
-    #[cold]
+    /// The rest of a droplet bucket's op (see [`Reader::op_into`]).
     #[inline(never)]
     fn bucket_op(&mut self, key: &'a [u8], flags: u8) -> Result<OpView<'a>, FrameError> {
-        {
-            let count =
-                i32::try_from(self.signed()?).map_err(|_| FrameError::Invalid("bucket count"))?;
-            let reset = match self.u8()? {
-                0 => false,
-                1 => true,
-                _ => return Err(FrameError::Invalid("bucket reset flag")),
-            };
-            let cleanup_interval_ms = self.varint()?;
-            let mut limits = [0; PERIOD_COUNT];
-            for limit in &mut limits {
-                *limit = self.u32()?;
-            }
-            Ok(OpView {
-                key,
-                algorithm: Algorithm::FixedWindow,
-                credit_limit: 0,
-                reset_seconds: 0,
-                peek: flags & 0x80 != 0,
-                bucket: Some(BucketOp {
-                    request: TakeRequest {
-                        count,
-                        reset,
-                        limits,
-                    },
-                    cleanup_interval_ms,
-                }),
-            })
+        let count =
+            i32::try_from(self.signed()?).map_err(|_| FrameError::Invalid("bucket count"))?;
+        let reset = match self.u8()? {
+            0 => false,
+            1 => true,
+            _ => return Err(FrameError::Invalid("bucket reset flag")),
+        };
+        let cleanup_interval_ms = self.varint()?;
+        let mut limits = [0; PERIOD_COUNT];
+        for limit in &mut limits {
+            *limit = self.u32()?;
         }
+        Ok(OpView {
+            key,
+            algorithm: Algorithm::FixedWindow,
+            credit_limit: 0,
+            reset_seconds: 0,
+            peek: flags & 0x80 != 0,
+            bucket: Some(BucketOp {
+                request: TakeRequest {
+                    count,
+                    reset,
+                    limits,
+                },
+                cleanup_interval_ms,
+            }),
+        })
     }
 
     fn refusal(&mut self) -> Result<ShardRefusal, FrameError> {
@@ -471,7 +467,8 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads an answer's decision into `decision` (see
-    /// [`Reader::op_into`]): a decided hit inlined, the rest out of line.
+    /// [`Reader::op_into`]): a decided hit inlined, the others (refusals,
+    /// droplet answers) out of line.
     #[inline(always)]
     pub fn decision_into(&mut self, decision: &mut WireDecision) -> Result<(), FrameError> {
         match self.u8()? {
@@ -509,8 +506,12 @@ impl<'a> Reader<'a> {
             }
             return Ok(());
         }
-        // The section's entries made first (`count` was checked against
-        // the bytes left), then each filled in where it lies.
+        // The section's entries made first, then each filled in where it
+        // lies; an answer takes three bytes at least, so a count the frame
+        // cannot hold is refused before anything is made.
+        if (count as usize).saturating_mul(3) > self.remaining() {
+            return Err(FrameError::Truncated);
+        }
         let start = into.len();
         into.resize(start + count as usize, placeholder);
         for entry in &mut into[start..] {
@@ -527,7 +528,7 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    #[cold]
+    /// The decisions other than a decided hit (see [`Reader::decision_into`]).
     #[inline(never)]
     fn rare_decision(&mut self, code: u8) -> Result<WireDecision, FrameError> {
         Ok(match code {
