@@ -105,6 +105,12 @@ pub fn replica_in(table: &ReplicaTable, shard: u32) -> Option<&Replica> {
     table.get(shard as usize)?.as_deref()
 }
 
+/// Every replica `table` holds, by shard (the table has one slot per
+/// shard of the layout).
+pub fn replicas_held(table: &ReplicaTable) -> impl Iterator<Item = &Arc<Replica>> {
+    table.iter().flatten()
+}
+
 pub struct DataPlane {
     pub me: NodeId,
     /// This process's incarnation (see `Hello::boot_id`).

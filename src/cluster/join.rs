@@ -190,7 +190,7 @@ impl ClusterNode {
             let initialized = {
                 let m = replica.raft.metrics().borrow().clone();
                 m.current_leader.is_some()
-                    || !super::leadership::voters_of(m.membership_config.membership()).is_empty()
+                    || super::leadership::has_voters(m.membership_config.membership())
             };
             if !initialized {
                 if let Err(error) = replica.raft.initialize(members).await {

@@ -20,6 +20,7 @@
 //!   leadership, stops deciding, lets what it decided commit, then asks the
 //!   successor to stand; hits meanwhile wait and go to the successor.
 
+use super::dataplane::replicas_held;
 use super::node::ClusterNode;
 use super::replica::{Replica, ShardConfig};
 use super::wire::{ApplyRefusal, PeerRequest, PeerResponse};
@@ -42,14 +43,17 @@ const HANDOVER_TAKEOVER_MS: u64 = 1_000;
 /// Counters per message when syncing a replica.
 pub const SYNC_CHUNK_COUNTERS: usize = 20_000;
 
+/// A group's voters, as [`voters_of`] gives them.
+pub type Voters = SmallVec<[NodeId; 8]>;
+
 /// The voters of a group's membership (every configuration of a joint
 /// one), in order and without repeats, read where the membership keeps
 /// them. openraft's `Membership::voter_ids` clones each configuration's
 /// set at every call, which the control plane's per-shard scans (the
 /// election watch ten times a second, rebalancing, status reports) paid
 /// for every shard: a fifth of an idle 1 024-shard node's CPU.
-pub fn voters_of(membership: &Membership<NodeId, BasicNode>) -> SmallVec<[NodeId; 8]> {
-    let mut voters: SmallVec<[NodeId; 8]> = SmallVec::new();
+pub fn voters_of(membership: &Membership<NodeId, BasicNode>) -> Voters {
+    let mut voters = Voters::new();
     match membership.get_joint_config().as_slice() {
         // One configuration (no change under way): a set, so in order.
         [config] => voters.extend(config.iter().copied()),
@@ -358,8 +362,11 @@ fn jitter(bound: u64) -> u64 {
     u64::from_le_bytes(bytes) % bound.max(1)
 }
 
-/// A group's voters, as [`voters_of`] gives them.
-type Voters = SmallVec<[NodeId; 8]>;
+/// Does a group's membership name any voter (a group not initialized yet
+/// names none)?
+pub fn has_voters(membership: &Membership<NodeId, BasicNode>) -> bool {
+    !membership.get_joint_config().iter().all(BTreeSet::is_empty)
+}
 
 /// What the election watcher keeps of one shard from look to look.
 #[derive(Default)]
@@ -431,11 +438,7 @@ pub async fn watch_elections(node: Arc<ClusterNode>) {
         // taken and dropped per shard.
         let table = node.dp.replicas_full();
         watched.resize_with(node.placement.shards() as usize, ShardWatch::default);
-        for replica in table
-            .iter()
-            .take(node.placement.shards() as usize)
-            .flatten()
-        {
+        for replica in replicas_held(&table) {
             let shard = replica.shard;
             let Some(watch) = watched.get_mut(shard as usize) else {
                 continue;

@@ -11,6 +11,7 @@
 //! committed under the old voters alone is in the sync, and one committed
 //! later is on a majority of the target too (see docs/cluster.md).
 
+use super::dataplane::replicas_held;
 use super::leadership::{self, refresh_config};
 use super::node::{ClusterNode, PEER_POLL_INTERVAL_MS, STATUS_TIMEOUT_MS};
 use super::plan::{plan, ClusterView, FollowedShard, LedShard, ShardWork};
@@ -180,11 +181,7 @@ impl ClusterNode {
         let mut led = Vec::new();
         let mut followed = Vec::new();
         let table = self.dp.replicas_full();
-        for replica in table
-            .iter()
-            .take(self.placement.shards() as usize)
-            .flatten()
-        {
+        for replica in replicas_held(&table) {
             let shard = replica.shard;
             let target: BTreeSet<NodeId> = target_orders
                 .1
@@ -199,12 +196,12 @@ impl ClusterNode {
                 let m = replica.raft.server_metrics();
                 let m = m.borrow();
                 let membership = m.membership_config.membership();
-                if membership.get_joint_config().iter().all(BTreeSet::is_empty) {
+                if !leadership::has_voters(membership) {
                     continue; // Not initialized yet (a new replica waiting to be added).
                 }
                 (m.state == ServerState::Leader && m.current_leader == Some(self.id)).then(|| {
                     (
-                        super::leadership::voters_of(membership)
+                        leadership::voters_of(membership)
                             .into_iter()
                             .collect::<BTreeSet<_>>(),
                         membership.learner_ids().collect::<BTreeSet<_>>(),

@@ -9,7 +9,7 @@
 
 use super::committed_rules::ClusterRules;
 use super::config::NodeAddresses;
-use super::dataplane::DataPlane;
+use super::dataplane::{replicas_held, DataPlane};
 use super::disk::meta::{MetaRecord, ShardMeta};
 use super::disk::Startup;
 use super::leadership;
@@ -276,13 +276,7 @@ impl ClusterNode {
         // One load of the table, not one per shard: the control plane's
         // scans call this several times a second (docs/benchmarks.md,
         // "Fourteenth round": an idle cluster of 1 024 shards).
-        let table = self.dp.replicas_full();
-        table
-            .iter()
-            .take(self.placement.shards() as usize)
-            .flatten()
-            .cloned()
-            .collect()
+        replicas_held(&self.dp.replicas_full()).cloned().collect()
     }
 
     pub fn replica_count(&self) -> usize {
