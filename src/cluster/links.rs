@@ -388,7 +388,7 @@ async fn serve_connection(
         }
         // Let the tasks woken with this one (frame readers, the replicator)
         // add to the outbox first: one write then carries them all.
-        tokio::task::yield_now().await;
+        super::cadence::behind_woken_tasks().await;
         buf.clear();
         let mut frames = 0u64;
         let mut queue = |call: Call, buf: &mut Vec<u8>| {

@@ -361,7 +361,7 @@ impl DataPlane {
                 // Let the tasks woken with this one (frame readers deciding
                 // forwarded hits) add their states first: one round, one
                 // frame per peer, carries them all.
-                tokio::task::yield_now().await;
+                super::cadence::behind_woken_tasks().await;
                 self.send_round();
             }
             let mut ended = Vec::new();

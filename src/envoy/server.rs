@@ -30,7 +30,7 @@ use crate::engine::{Arrival, Engine, OperationOutcome};
 use crate::metrics::{GrpcMethod, Metrics};
 use crate::server::{AcceptorConfig, ConnectionHandler, Serving, ThreadPerCore};
 use bytes::{Buf, BytesMut};
-use futures_util::future::LocalBoxFuture;
+use futures_util::future::BoxFuture;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use smallvec::SmallVec;
 use std::net::SocketAddr;
@@ -126,7 +126,7 @@ pub type RunningGrpc = Serving;
 
 /// A call whose answer comes later: its stream, method, and its response
 /// message (prefixed) or status.
-type PendingCall = LocalBoxFuture<'static, (u32, GrpcMethod, Result<Vec<u8>, Status>)>;
+type PendingCall = BoxFuture<'static, (u32, GrpcMethod, Result<Vec<u8>, Status>)>;
 
 impl ConnectionHandler for GrpcProtocol {
     async fn serve(self: Arc<Self>, mut stream: TcpStream, mut shutdown: watch::Receiver<bool>) {

@@ -7,9 +7,12 @@
 use super::socket::{ClientSocket, InputBuffer};
 use super::Limits;
 use crate::clock::Moment;
-use crate::engine::{DeferredHit, Engine, EngineBatch, Outcome, Reply, READ_AHEAD_LINES_MAX};
+use crate::engine::{
+    DeferredHit, Engine, EngineBatch, LoadedRules, Outcome, Reply, READ_AHEAD_LINES_MAX,
+};
 use crate::metrics::RequestProtocol;
 use crate::protocol::split_line;
+use crate::store::SlotAnswers;
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{FuturesOrdered, StreamExt};
 use smallvec::SmallVec;
@@ -24,6 +27,9 @@ use tokio::sync::watch;
 /// Room made for a batch's run (a pipelined read's requests) before its
 /// first request, rather than growing one reallocation at a time.
 const RUN_ITEMS_INITIAL: usize = 16;
+/// Most requests a finished run's list may hold room for to be kept for
+/// the connection's next run (a huge read's list is given back).
+const RUN_ITEMS_KEPT_MAX: usize = 1024;
 /// Bytes asked of the kernel per read.
 const READ_CHUNK_BYTES: usize = 16 * 1024;
 /// Reads of at least half a chunk a connection may do before it yields its
@@ -47,15 +53,39 @@ pub enum Ended {
 
 /// Replies waiting in request order: one request's (a network backend's
 /// future), or a read batch's run of requests decided together (a batching
-/// backend: one future for the whole run).
+/// backend: one future for the whole run's answers, if any wait; the run is
+/// finished into the output when they are in).
 enum PendingReplies {
     One(BoxFuture<'static, Reply>),
-    Run(BoxFuture<'static, Vec<Reply>>),
+    Batch(BatchRun),
 }
 
 enum ReadyReplies {
     One(Reply),
-    Run(Vec<Reply>),
+    /// A batch's run and its answers: each reply is made and encoded in
+    /// turn, with no list of replies in between.
+    Batch(BatchRun, SlotAnswers),
+}
+
+/// A read batch's run waiting for its deferred hits' answers.
+struct BatchRun {
+    /// The rules the batch's lines were executed with.
+    rules: Arc<LoadedRules>,
+    run: Vec<RunItem>,
+    /// `None` when nothing of the run waits, or once taken.
+    answers: Option<BoxFuture<'static, SlotAnswers>>,
+}
+
+impl BatchRun {
+    /// Resolves with the run's answers (none when nothing waits).
+    fn poll_answers(&mut self, cx: &mut Context<'_>) -> Poll<SlotAnswers> {
+        let answers = match self.answers.as_mut() {
+            Some(future) => std::task::ready!(future.as_mut().poll(cx)),
+            None => Vec::new(),
+        };
+        self.answers = None;
+        Poll::Ready(answers)
+    }
 }
 
 impl Future for PendingReplies {
@@ -64,8 +94,71 @@ impl Future for PendingReplies {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<ReadyReplies> {
         match self.get_mut() {
             PendingReplies::One(future) => future.as_mut().poll(cx).map(ReadyReplies::One),
-            PendingReplies::Run(future) => future.as_mut().poll(cx).map(ReadyReplies::Run),
+            PendingReplies::Batch(batch) => {
+                let answers = std::task::ready!(batch.poll_answers(cx));
+                let run = BatchRun {
+                    rules: Arc::clone(&batch.rules),
+                    run: std::mem::take(&mut batch.run),
+                    answers: None,
+                };
+                Poll::Ready(ReadyReplies::Batch(run, answers))
+            }
         }
+    }
+}
+
+/// Replies waiting their turn, in request order. A batch's run that waits
+/// alone (a cluster connection's usual state: one read batch at a time) is
+/// polled directly, its answers waking the connection's task; entries
+/// behind one another go through `FuturesOrdered`, which makes a task of
+/// each and wakes the connection through it.
+struct Waiting {
+    /// A batch's run with nothing behind it (`queue` is then empty).
+    lone: Option<BatchRun>,
+    queue: FuturesOrdered<PendingReplies>,
+}
+
+impl Waiting {
+    fn new() -> Waiting {
+        Waiting {
+            lone: None,
+            queue: FuturesOrdered::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.queue.len() + usize::from(self.lone.is_some())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lone.is_none() && self.queue.is_empty()
+    }
+
+    fn push_back(&mut self, entry: PendingReplies) {
+        if let Some(lone) = self.lone.take() {
+            self.queue.push_back(PendingReplies::Batch(lone));
+        }
+        match entry {
+            PendingReplies::Batch(batch) if self.queue.is_empty() => self.lone = Some(batch),
+            entry => self.queue.push_back(entry),
+        }
+    }
+
+    /// The oldest entry's replies, once they are ready.
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<ReadyReplies>> {
+        if let Some(lone) = self.lone.as_mut() {
+            let answers = std::task::ready!(lone.poll_answers(cx));
+            return Poll::Ready(
+                self.lone
+                    .take()
+                    .map(|run| ReadyReplies::Batch(run, answers)),
+            );
+        }
+        self.queue.poll_next_unpin(cx)
+    }
+
+    fn next(&mut self) -> impl Future<Output = Option<ReadyReplies>> + '_ {
+        std::future::poll_fn(move |cx| self.poll_next(cx))
     }
 }
 
@@ -81,7 +174,7 @@ struct Connection {
     limits: Limits,
     input: InputBuffer,
     output: Vec<u8>,
-    pending: FuturesOrdered<PendingReplies>,
+    pending: Waiting,
     /// Requests of the current read batch, in order, answered together when
     /// the batch's deferred hits are (empty unless the backend batches).
     run: Vec<RunItem>,
@@ -149,7 +242,7 @@ pub async fn serve(
             limits.line_bytes_max.saturating_add(READ_CHUNK_BYTES),
         ),
         output: Vec::with_capacity(READ_CHUNK_BYTES),
-        pending: FuturesOrdered::new(),
+        pending: Waiting::new(),
         run: Vec::new(),
         closing: false,
         input_done: false,
@@ -349,42 +442,28 @@ impl Connection {
         if self.run.is_empty() {
             return;
         }
-        let run = std::mem::take(&mut self.run);
-        if answers.is_none() && run.iter().all(|item| matches!(item, RunItem::Ready(_))) {
-            // Nothing of the run waits: answer it now, or behind what is
-            // pending as one entry (not one per reply).
-            let replies = run.into_iter().filter_map(|item| match item {
-                RunItem::Ready(reply) => Some(reply),
-                RunItem::Deferred(_) => None,
-            });
-            if self.pending.is_empty() {
-                replies.for_each(|reply| self.queue_reply(reply));
-            } else {
-                let replies: Vec<Reply> = replies.collect();
-                self.pending
-                    .push_back(PendingReplies::Run(Box::pin(std::future::ready(replies))));
+        let mut run = std::mem::take(&mut self.run);
+        if answers.is_none()
+            && self.pending.is_empty()
+            && run.iter().all(|item| matches!(item, RunItem::Ready(_)))
+        {
+            // Nothing waits, neither in the run nor ahead of it: answer now,
+            // and keep the run's list for the next batch.
+            for item in run.drain(..) {
+                if let RunItem::Ready(reply) = item {
+                    self.queue_reply(reply);
+                }
             }
+            self.run = run;
             return;
         }
-        let engine = Arc::clone(&self.engine);
-        self.pending
-            .push_back(PendingReplies::Run(Box::pin(async move {
-                let answers = match answers {
-                    Some(answers) => answers.await,
-                    None => Vec::new(),
-                };
-                let decided_at = Moment::now();
-                engine.with_label_counts(&rules, |counts| {
-                    run.into_iter()
-                        .map(|item| match item {
-                            RunItem::Ready(reply) => reply,
-                            RunItem::Deferred(hit) => {
-                                engine.finish_deferred(&rules, &hit, &answers, decided_at, counts)
-                            }
-                        })
-                        .collect()
-                })
-            })));
+        // Behind what is pending, or waiting for answers: one entry for the
+        // whole run (not one per reply).
+        self.pending.push_back(PendingReplies::Batch(BatchRun {
+            rules,
+            run,
+            answers,
+        }));
     }
 
     fn fail_line_too_long(&mut self) {
@@ -422,15 +501,41 @@ impl Connection {
     fn push_replies(&mut self, replies: ReadyReplies) {
         match replies {
             ReadyReplies::One(reply) => self.push_reply(reply),
-            ReadyReplies::Run(replies) => {
-                for reply in replies {
-                    let closes = reply.closes_connection();
-                    self.push_reply(reply);
-                    if closes {
-                        break; // nothing after an ERR is answered
+            ReadyReplies::Batch(batch, answers) => self.push_batch_replies(batch, &answers),
+        }
+    }
+
+    /// Makes and encodes a batch's replies, in request order, once its
+    /// answers are in (one clock read for the run); keeps its run's list
+    /// for the next batch.
+    fn push_batch_replies(&mut self, batch: BatchRun, answers: &SlotAnswers) {
+        let BatchRun { rules, mut run, .. } = batch;
+        let decided_at = Moment::now();
+        let engine = Arc::clone(&self.engine);
+        engine.with_label_counts(&rules, |counts| {
+            for item in run.drain(..) {
+                let closes = match item {
+                    RunItem::Ready(reply) => {
+                        let closes = reply.closes_connection();
+                        self.push_reply(reply);
+                        closes
                     }
+                    RunItem::Deferred(hit) => {
+                        let reply =
+                            engine.finish_deferred(&rules, &hit, answers, decided_at, counts);
+                        let closes = reply.closes_connection();
+                        self.push_reply(reply);
+                        closes
+                    }
+                };
+                if closes {
+                    break; // nothing after an ERR is answered
                 }
             }
+        });
+        if self.run.capacity() == 0 && run.capacity() <= RUN_ITEMS_KEPT_MAX {
+            run.clear();
+            self.run = run;
         }
     }
 
@@ -440,7 +545,7 @@ impl Connection {
             self.closing = true;
             // Replies queued after an error (from a backend failure) are dropped:
             // the connection closes after the first ERR.
-            self.pending = FuturesOrdered::new();
+            self.pending = Waiting::new();
         }
     }
 

@@ -1,7 +1,8 @@
 //! A node thread: one OS thread that drives one current-thread tokio runtime
 //! for as long as it lives, and runs, beside the tasks spawned on that
 //! runtime from anywhere, `!Send` jobs handed to it (a serving thread's
-//! accept loop and its connections, on a `LocalSet`).
+//! accept loop, on a `LocalSet`; the connections it accepts are tasks of
+//! the runtime).
 //!
 //! A cluster node on few cores uses one: its peer links, replicator and
 //! shard groups are tasks of the runtime, and its first serving thread's

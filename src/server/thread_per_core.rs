@@ -1,8 +1,8 @@
 //! The one thread-per-core acceptor, shared by every TCP endpoint (the line
 //! protocol and droplet's WebSocket endpoint): one OS thread per serving
-//! thread, each running its own single-threaded tokio runtime and a
-//! `LocalSet` with its own `SO_REUSEPORT` listener, so the kernel spreads
-//! connections and no connection ever moves between threads. It owns what
+//! thread, each running its own single-threaded tokio runtime with its own
+//! `SO_REUSEPORT` listener, so the kernel spreads connections and no
+//! connection ever moves between threads. It owns what
 //! every endpoint needs around its connections, so that they cannot drift
 //! apart: the connection limit (a refused connection is counted in
 //! [`Metrics`] and answered by the endpoint), a panicked connection task
@@ -31,8 +31,11 @@ use tokio::task::JoinSet;
 const LISTEN_BACKLOG: i32 = 1024;
 
 /// What one endpoint does with its connections. Futures run on the serving
-/// thread that accepted the connection (`spawn_local`), so they need not be
-/// `Send`.
+/// thread that accepted the connection, as tasks of its runtime: on a node
+/// thread, in the same run queue as the cluster's tasks, so that a peer
+/// link's writer, requeued behind the tasks woken with it, writes after the
+/// connections that add to its frame (`cluster::cadence::behind_woken_tasks`;
+/// on a `LocalSet` they ran apart from it, behind an `epoll_wait`).
 pub trait ConnectionHandler: Send + Sync + 'static {
     /// Serves one accepted connection until it ends. `shutdown` turns true
     /// when the endpoint stops: finish what was read, then close.
@@ -40,11 +43,11 @@ pub trait ConnectionHandler: Send + Sync + 'static {
         self: Arc<Self>,
         stream: TcpStream,
         shutdown: watch::Receiver<bool>,
-    ) -> impl Future<Output = ()> + 'static;
+    ) -> impl Future<Output = ()> + Send + 'static;
 
     /// Tells a connection over the limit that it is refused, then closes it
     /// (it still holds a slot until this ends).
-    fn refuse(self: Arc<Self>, stream: TcpStream) -> impl Future<Output = ()> + 'static;
+    fn refuse(self: Arc<Self>, stream: TcpStream) -> impl Future<Output = ()> + Send + 'static;
 }
 
 /// Where and how an endpoint accepts.
@@ -334,14 +337,14 @@ impl<H: ConnectionHandler> Acceptor<H> {
                     let handler = Arc::clone(&self.handler);
                     if open > self.config.connections_max {
                         self.metrics.connection_refused();
-                        connections.spawn_local(async move {
+                        connections.spawn(async move {
                             let _slot = slot;
                             handler.refuse(stream).await;
                         });
                         continue;
                     }
                     let shutdown = self.shutdown.clone();
-                    connections.spawn_local(async move {
+                    connections.spawn(async move {
                         let _slot = slot;
                         handler.serve(stream, shutdown).await;
                     });

@@ -6,8 +6,9 @@
 //! over ends with the old leader leading on, then handing over elsewhere.
 //! Also: one read batch whose hits span every shard (some decided on the
 //! receiving node, the others forwarded to each peer) is answered hit by
-//! hit, in request order; and a read batch of hits decided at once and hits
-//! forwarded is answered in one write.
+//! hit, in request order; a read batch of hits decided at once and hits
+//! forwarded is answered in one write; and read batches that arrive while
+//! one waits for its answers, a `TOPOLOGY` among them, keep request order.
 
 use crate::cluster_support::*;
 use std::net::SocketAddr;
@@ -376,6 +377,51 @@ fn a_read_batch_of_local_and_forwarded_hits_is_answered_in_one_write() {
         );
         for (i, reply) in replies.iter().enumerate() {
             assert_eq!(*reply, format!("OK true {} 60", 199 - attempt), "reply {i}");
+        }
+    }
+}
+
+/// Read batches that arrive while earlier ones wait for their forwarded
+/// answers queue behind them, with a command answered later (`TOPOLOGY`)
+/// among them: every reply comes back, in request order, whether the
+/// server read the writes one at a time or together.
+#[test]
+fn read_batches_behind_one_waiting_for_its_answers_keep_request_order() {
+    use std::io::{BufRead, BufReader, Write};
+    let cluster = TestCluster::start(3, 64, &["--consistency", "fast"]);
+    cluster.wait_healthy(Duration::from_secs(20));
+    let stream = std::net::TcpStream::connect(cluster.client(1)).unwrap();
+    stream.set_nodelay(true).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let mut reader = BufReader::new(stream);
+    for attempt in 0..5 {
+        let mut expected = Vec::new();
+        for write in 0..4 {
+            // Fresh actors over many shards: most are forwarded.
+            let mut batch = String::new();
+            for i in 0..16 {
+                if write % 2 == 1 && i == 8 {
+                    batch.push_str("TOPOLOGY\n");
+                    expected.push("{");
+                }
+                batch.push_str(&format!(
+                    "HIT path=/limited user=queued{attempt}-{write}-{i}\n"
+                ));
+                expected.push("OK true 199 60");
+            }
+            writer.write_all(batch.as_bytes()).unwrap();
+        }
+        for (i, want) in expected.iter().enumerate() {
+            let mut reply = String::new();
+            reader.read_line(&mut reply).unwrap();
+            let shown: String = reply.chars().take(100).collect();
+            assert!(
+                reply.starts_with(want),
+                "attempt {attempt}, reply {i}: {shown:?}…, expected {want:?}"
+            );
         }
     }
 }
