@@ -30,7 +30,7 @@ use smallvec::SmallVec;
 use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -67,6 +67,9 @@ pub struct SlotBoard {
     inner: Mutex<BoardInner>,
     /// Slots still [`SlotAnswer::Pending`].
     pending: AtomicU32,
+    /// Whether a slot was ever answered [`SlotAnswer::Retry`] (else there
+    /// is nothing to route again, and the slots are not scanned for it).
+    retried: AtomicBool,
     waker: AtomicWaker,
 }
 
@@ -105,9 +108,13 @@ impl SlotBoard {
             .iter()
             .filter(|s| matches!(s.answer, SlotAnswer::Pending))
             .count() as u32;
+        let retried = slots
+            .iter()
+            .any(|s| matches!(s.answer, SlotAnswer::Retry(_)));
         SlotBoard {
             inner: Mutex::new(BoardInner { slots, ops }),
             pending: AtomicU32::new(pending),
+            retried: AtomicBool::new(retried),
             waker: AtomicWaker::new(),
         }
     }
@@ -130,6 +137,9 @@ impl SlotBoard {
                 continue;
             }
             entry.answer = result_of(entry.shard, decision);
+            if matches!(entry.answer, SlotAnswer::Retry(_)) {
+                self.retried.store(true, Ordering::Release);
+            }
             filled += 1;
         }
         drop(inner);
@@ -140,6 +150,9 @@ impl SlotBoard {
     }
 
     fn set(&self, slot: u32, answer: SlotAnswer) {
+        if matches!(answer, SlotAnswer::Retry(_)) {
+            self.retried.store(true, Ordering::Release);
+        }
         let mut inner = self.inner.lock();
         if let Some(entry) = inner.slots.get_mut(slot as usize) {
             entry.answer = answer;
@@ -153,6 +166,9 @@ impl SlotBoard {
 
     /// The slots to route again, with their shard and op bytes.
     fn retries(&self) -> Vec<(u32, u32, Vec<u8>)> {
+        if !self.retried.load(Ordering::Acquire) {
+            return Vec::new();
+        }
         let inner = self.inner.lock();
         let mut retries = Vec::new();
         for (index, slot) in inner.slots.iter().enumerate() {

@@ -11,6 +11,7 @@ use crate::cluster::data_frames::{
     begin_counted, end_counted, put_decision, put_varint, skim_keys, tag, Ack, FrameError, OpView,
     Reader, RoundAnswersHeader, RoundHeader,
 };
+use crate::cluster::outbox::PeerOut;
 use crate::cluster::replica::LocalDecision;
 use crate::cluster::rounds::Waiter;
 use crate::cluster::wire::{ApplyRefusal, ShardRefusal, WireDecision};
@@ -20,6 +21,7 @@ use crate::store::StoreFull;
 use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Most keys of one inbound frame whose store lines are prefetched before
@@ -79,16 +81,16 @@ thread_local! {
 }
 
 impl DataPlane {
-    /// Handles one data frame from `from`'s incarnation `from_boot`, inline.
-    /// A frame from an incarnation older than one already seen is stale
-    /// (the process restarted since) and is dropped whole.
+    /// Handles one data frame from `from`'s incarnation `from_boot`, inline;
+    /// `out` is `from`'s outbox (its connection looks it up once). A frame
+    /// from an incarnation older than one already seen is stale (the
+    /// process restarted since) and is dropped whole.
     pub fn on_data_frame(
         &self,
-        from: NodeId,
+        (from, out): (NodeId, &Arc<PeerOut>),
         from_boot: u64,
         body: &[u8],
     ) -> Result<(), FrameError> {
-        let out = self.out(from);
         if from_boot < out.peer_boot() {
             return Ok(());
         }
