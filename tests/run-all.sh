@@ -27,6 +27,10 @@ else
 fi
 
 npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
+# Every locked package, for every platform: tests/workspace reads the whole
+# lockfile's metadata offline, and a fresh machine has downloaded only what
+# its own builds needed (a no-op once they are all in cargo's cache).
+cargo fetch --locked
 cargo test --workspace --all-targets --locked
 
 # The soak in its short form, on the binaries the tests just built: a thousand

@@ -29,7 +29,8 @@ fn no_locked_dependency_needs_a_newer_rust_than_the_declared_one() {
         .expect("run cargo metadata");
     assert!(
         output.status.success(),
-        "cargo metadata: {}",
+        "cargo metadata (offline: every locked package must be in cargo's cache; \
+         `cargo fetch --locked` puts them there, as tests/run-all.sh does): {}",
         String::from_utf8_lossy(&output.stderr)
     );
     let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
