@@ -2,14 +2,13 @@
 //! protocol and droplet's WebSocket endpoint): one OS thread per serving
 //! thread, each running its own single-threaded tokio runtime with its own
 //! `SO_REUSEPORT` listener, so the kernel spreads connections and no
-//! connection ever moves between threads. It owns what
-//! every endpoint needs around its connections, so that they cannot drift
-//! apart: the connection limit (a refused connection is counted in
-//! [`Metrics`] and answered by the endpoint), a panicked connection task
-//! (logged; only that connection closes), and graceful shutdown (stop
-//! accepting, let connections finish, abort what is left after
-//! `drain_timeout_ms`). What a connection says is the endpoint's
-//! [`ConnectionHandler`].
+//! connection ever moves between threads. It owns what every endpoint
+//! needs around its connections, so that they cannot drift apart: the
+//! connection limit (a refused connection is counted in [`Metrics`] and
+//! answered by the endpoint), a panicked connection task (logged; only that
+//! connection closes), and graceful shutdown (stop accepting, let
+//! connections finish, abort what is left after `drain_timeout_ms`). What
+//! a connection says is the endpoint's [`ConnectionHandler`].
 //!
 //! The first serving thread may instead be a job of a node thread
 //! ([`ThreadPerCore::host_first_on`], [`HostThread`]): a cluster node on few
