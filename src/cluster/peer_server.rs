@@ -197,10 +197,7 @@ async fn serve_peer(
                 Ok(Some((DATA_FRAME_ID, body))) => {
                     let used = body.end;
                     from.heard();
-                    if let Err(error) =
-                        node.dp
-                            .on_data_frame((peer, &from), peer_boot, &buffered[body])
-                    {
+                    if let Err(error) = node.dp.on_data_frame(&from, peer_boot, &buffered[body]) {
                         tracing::warn!(peer, %error, "dropping a peer connection: bad data frame");
                         break;
                     }
@@ -230,7 +227,7 @@ async fn serve_peer(
         };
         from.heard();
         if id == DATA_FRAME_ID {
-            if let Err(error) = node.dp.on_data_frame((peer, &from), peer_boot, &buf) {
+            if let Err(error) = node.dp.on_data_frame(&from, peer_boot, &buf) {
                 tracing::warn!(peer, %error, "dropping a peer connection: bad data frame");
                 break;
             }

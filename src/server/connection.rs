@@ -514,20 +514,14 @@ impl Connection {
         let engine = Arc::clone(&self.engine);
         engine.with_label_counts(&rules, |counts| {
             for item in run.drain(..) {
-                let closes = match item {
-                    RunItem::Ready(reply) => {
-                        let closes = reply.closes_connection();
-                        self.push_reply(reply);
-                        closes
-                    }
+                let reply = match item {
+                    RunItem::Ready(reply) => reply,
                     RunItem::Deferred(hit) => {
-                        let reply =
-                            engine.finish_deferred(&rules, &hit, answers, decided_at, counts);
-                        let closes = reply.closes_connection();
-                        self.push_reply(reply);
-                        closes
+                        engine.finish_deferred(&rules, &hit, answers, decided_at, counts)
                     }
                 };
+                let closes = reply.closes_connection();
+                self.push_reply(reply);
                 if closes {
                     break; // nothing after an ERR is answered
                 }

@@ -21,7 +21,6 @@ use crate::store::StoreFull;
 use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Most keys of one inbound frame whose store lines are prefetched before
@@ -81,16 +80,17 @@ thread_local! {
 }
 
 impl DataPlane {
-    /// Handles one data frame from `from`'s incarnation `from_boot`, inline;
-    /// `out` is `from`'s outbox (its connection looks it up once). A frame
+    /// Handles one data frame from the peer of `out` (its outbox, which its
+    /// connection looks up once), incarnation `from_boot`, inline. A frame
     /// from an incarnation older than one already seen is stale (the
     /// process restarted since) and is dropped whole.
     pub fn on_data_frame(
         &self,
-        (from, out): (NodeId, &Arc<PeerOut>),
+        out: &PeerOut,
         from_boot: u64,
         body: &[u8],
     ) -> Result<(), FrameError> {
+        let from = out.peer;
         if from_boot < out.peer_boot() {
             return Ok(());
         }
