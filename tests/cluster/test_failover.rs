@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tollgate::cluster::placement::{counter_key, stable_counter_id, Placement};
+use tollgate::cluster::Topology;
 
 const SHARDS: u32 = 8;
 const BIG_LIMIT: i64 = 1_000_000;
@@ -301,14 +302,23 @@ fn restarted_node_catches_up_by_sync_with_counters_intact() {
     let started = Instant::now();
     let topology = cluster.wait_healthy(Duration::from_secs(20));
     eprintln!("node 3 caught up in {:?}", started.elapsed());
-    let live_keys: Vec<Option<u64>> = topology.nodes.iter().map(|n| n.live_keys).collect();
-    assert!(
-        live_keys.iter().all(|&k| k == live_keys[0]),
-        "live keys differ: {live_keys:?}"
-    );
-    // The leaders sent node 3 their shards' counters when it came back. A
-    // leader logs that once its sync is done, which may come a moment after
-    // the cluster reads healthy: the logs are read again for a while.
+    // The leaders send node 3 their shards' counters when its links come
+    // up. The cluster reads healthy once its Raft logs caught up, which may
+    // come before the last shard's counters are in (a loaded machine ran
+    // the two in either order): the live keys are read again for a while.
+    let keys_of =
+        |t: &Topology| -> Vec<Option<u64>> { t.nodes.iter().map(|n| n.live_keys).collect() };
+    let agree = |keys: &[Option<u64>]| keys.iter().all(|&k| k.is_some() && k == keys[0]);
+    let mut live_keys = keys_of(&topology);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !agree(&live_keys) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        live_keys = cluster.topology().map(|t| keys_of(&t)).unwrap_or_default();
+    }
+    assert!(agree(&live_keys), "live keys differ: {live_keys:?}");
+    assert_eq!(live_keys.len(), 3, "{live_keys:?}");
+    // A leader logs each sync once it is done: the logs are read again for
+    // a while too.
     let synced = |logs: &str| {
         logs.lines().any(|l| {
             l.contains("caught a replica up with the leader's counters") && l.contains("peer=3")
