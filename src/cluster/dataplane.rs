@@ -343,8 +343,8 @@ impl DataPlane {
     }
 
     /// Sends a batch of ops to `peer`, the leader of their shards; their
-    /// answers fill `slots` of `board`. Returns false (nothing sent) when
-    /// the peer is unreachable or its outbox full.
+    /// answers fill `slots` of `board`. Gives `slots` back (nothing sent)
+    /// when the peer is unreachable or its outbox full.
     pub fn send_forward<'a>(
         &self,
         now: Instant,
@@ -352,11 +352,18 @@ impl DataPlane {
         board: &Arc<SlotBoard>,
         slots: SmallVec<[u32; 16]>,
         ops: impl Iterator<Item = &'a [u8]>,
-    ) -> bool {
-        let out = self.out(peer);
+    ) -> Result<(), SmallVec<[u32; 16]>> {
+        // The outbox is borrowed from the table while the batch goes in
+        // (a peer's outbox is made once and kept: no count touched per send).
+        let outs = self.outs.read();
+        let Some(out) = outs.get(&peer) else {
+            drop(outs);
+            self.out(peer).wake.notify_one(); // made now: let the link connect
+            return Err(slots);
+        };
         if !out.connected() {
             out.wake.notify_one(); // let the link try to connect
-            return false;
+            return Err(slots);
         }
         let batch = self.next_batch.fetch_add(1, Ordering::Relaxed);
         let count = slots.len() as u32;
@@ -370,7 +377,7 @@ impl DataPlane {
             end_counted(body, at, count);
         });
         let Some(frame) = frame else {
-            return false;
+            return Err(slots);
         };
         forwards.insert(
             batch,
@@ -387,7 +394,7 @@ impl DataPlane {
         DataStats::add(&self.stats.forward_batches, 1);
         DataStats::add(&self.stats.forwarded_ops, u64::from(count));
         out.wake.notify_one();
-        true
+        Ok(())
     }
 
     /// Answers forwarded waits older than the forward timeout (their

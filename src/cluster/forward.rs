@@ -623,12 +623,13 @@ impl ClusterBatch {
                 .ops_at
                 .iter()
                 .map(|&(start, end)| &ops[start as usize..end as usize]);
-            if !dp.send_forward(now, forward.peer, &board, forward.slots.clone(), op_bytes) {
+            if let Err(slots) = dp.send_forward(now, forward.peer, &board, forward.slots, op_bytes)
+            {
                 let why = ShardRefusal::Other(format!(
                     "forwarding to node {}: not connected",
                     forward.peer
                 ));
-                for slot in forward.slots {
+                for slot in slots {
                     board.fill(
                         slot,
                         WireDecision::Retry {
