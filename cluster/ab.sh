@@ -45,15 +45,12 @@ PERF_EVENTS=${PERF_EVENTS:-}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-ab-$$}
 mkdir -p "$OUT_DIR"
 export BASE_PORT SHARDS DATA_DIRS=none RUN_DIR="$OUT_DIR/run"
-for spec in "$@"; do
-  [[ $spec == *=* ]] || { echo "ab.sh: expected LABEL=BINARY, got $spec" >&2; exit 2; }
-  [[ -x ${spec#*=} ]] || { echo "ab.sh: ${spec#*=} is not an executable" >&2; exit 2; }
-done
+# shellcheck source=cluster/bench-lib.sh
+source "$ROOT/cluster/bench-lib.sh"
+check_builds "$@"
 [[ -z $PERF_EVENTS ]] || command -v perf > /dev/null || { echo "ab.sh: PERF_EVENTS needs perf, which is not installed" >&2; exit 2; }
 [[ -x $LOADTEST ]] || { echo "ab.sh: $LOADTEST is missing (cargo build --release --workspace)" >&2; exit 1; }
 export RULES="$OUT_DIR/bench.ini"
-# shellcheck source=cluster/bench-lib.sh
-source "$ROOT/cluster/bench-lib.sh"
 write_bench_rules "$RULES"
 RESULTS="$OUT_DIR/results.tsv"
 : > "$RESULTS"
@@ -136,11 +133,7 @@ PY
 
 labels=("$@")
 for round in $(seq 1 "$ROUNDS"); do
-  order=("${labels[@]}")
-  # Every other round in reverse order: no build always runs first.
-  if (( round % 2 == 0 )); then
-    order=(); for ((i = ${#labels[@]} - 1; i >= 0; i--)); do order+=("${labels[i]}"); done
-  fi
+  round_order "$round" "${labels[@]}"
   echo "round $round of $ROUNDS (label, setup, hits/s, µs per hit, user, system)" >&2
   for spec in "${order[@]}"; do
     for mode in $MODES; do run "${spec%%=*}" "${spec#*=}" "$mode"; done

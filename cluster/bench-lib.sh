@@ -1,6 +1,8 @@
-# What cluster/bench.sh and cluster/ab.sh share, sourced by both: the bench
-# rule file, the CPU time of processes from /proc, and the wait for leader
-# balancing before a measurement. Expects SHARDS and BASE_PORT to be set.
+# What cluster/bench.sh, cluster/ab.sh and cluster/instructions.sh share,
+# sourced by each: the bench rule file, the CPU time of processes from
+# /proc, the wait for leader balancing before a measurement, and the A/B
+# scripts' LABEL=BINARY arguments and round order. Expects SHARDS and
+# BASE_PORT to be set.
 
 # write_bench_rules PATH: the rule every bench hit matches (a huge limit,
 # so every hit is admitted and replicated), and a default that denies.
@@ -44,4 +46,26 @@ wait_balanced() {
     sleep 0.5
   done
   echo "$(basename "$0"): leaders not balanced over $nodes nodes after 60 s (leads: $(echo $leads)); measuring anyway" >&2
+}
+
+# check_builds LABEL=BINARY...: stops the script unless every argument
+# names a label and an executable build.
+check_builds() {
+  local spec script
+  script=$(basename "$0")
+  for spec in "$@"; do
+    [[ $spec == *=* ]] || { echo "$script: expected LABEL=BINARY, got $spec" >&2; exit 2; }
+    [[ -x ${spec#*=} ]] || { echo "$script: ${spec#*=} is not an executable" >&2; exit 2; }
+  done
+}
+
+# round_order ROUND LABEL=BINARY...: sets `order` to the builds in the
+# order round ROUND runs them: every other round reversed, so that no build
+# always runs first.
+round_order() {
+  local round=$1 i; shift
+  order=("$@")
+  if (( round % 2 == 0 )); then
+    order=(); for (( i = $# ; i >= 1; i-- )); do order+=("${!i}"); done
+  fi
 }

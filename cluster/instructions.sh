@@ -39,16 +39,13 @@ SHARDS=${SHARDS:-64}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-instructions-$$}
 command -v valgrind > /dev/null || { echo "instructions.sh: needs valgrind (apt-get install -y valgrind)" >&2; exit 2; }
 (( LARGE > SMALL )) || { echo "instructions.sh: LARGE ($LARGE) must be more than SMALL ($SMALL)" >&2; exit 2; }
-for spec in "$@"; do
-  [[ $spec == *=* ]] || { echo "instructions.sh: expected LABEL=BINARY, got $spec" >&2; exit 2; }
-  [[ -x ${spec#*=} ]] || { echo "instructions.sh: ${spec#*=} is not an executable" >&2; exit 2; }
-done
+# shellcheck source=cluster/bench-lib.sh
+source "$ROOT/cluster/bench-lib.sh"
+check_builds "$@"
 [[ -x $LOADTEST ]] || { echo "instructions.sh: $LOADTEST is missing (cargo build --release --workspace)" >&2; exit 1; }
 mkdir -p "$OUT_DIR"
 export BASE_PORT SHARDS DATA_DIRS=none RUN_DIR="$OUT_DIR/run"
 export RULES="$OUT_DIR/bench.ini"
-# shellcheck source=cluster/bench-lib.sh
-source "$ROOT/cluster/bench-lib.sh"
 write_bench_rules "$RULES"
 RESULTS="$OUT_DIR/results.tsv"
 : > "$RESULTS"
@@ -121,10 +118,7 @@ count() { # count LABEL BINARY MODE HITS: total instructions of the servers
 
 labels=("$@")
 for round in $(seq 1 "$ROUNDS"); do
-  order=("${labels[@]}")
-  if (( round % 2 == 0 )); then
-    order=(); for (( i = ${#labels[@]} - 1; i >= 0; i-- )); do order+=("${labels[i]}"); done
-  fi
+  round_order "$round" "${labels[@]}"
   echo "round $round of $ROUNDS (label, setup, instructions per hit)" >&2
   for mode in $MODES; do
     for spec in "${order[@]}"; do
@@ -145,7 +139,7 @@ print(f"\nMedian instructions per hit of the servers; in brackets, ÷ the same b
 print("| build | " + " | ".join(modes) + " |")
 print("|---|" + "---:|" * len(modes))
 for label in labels:
-    medians = {m: statistics.median(int(r[2]) for r in rows if r[0] == label and r[1] == m) for m in modes}
+    medians = {m: round(statistics.median(int(r[2]) for r in rows if r[0] == label and r[1] == m)) for m in modes}
     cells = []
     for m in modes:
         cell = f"{medians[m]:,}".replace(",", " ")
