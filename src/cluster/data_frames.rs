@@ -44,6 +44,16 @@ pub mod tag {
     /// majority of the shard's voters (the leader sends them only then).
     /// Peer protocol 2.1 (`peer_protocol::ROUND_ANSWERS_MINOR`).
     pub const ROUND_ANSWERS: u8 = 6;
+    /// Answers to one forwarded batch's hits: `boot` (the incarnation of
+    /// the node that forwarded them, eight bytes little endian: as a varint
+    /// it takes nine or ten, one at a time), `batch varint`, then
+    /// the entries as a byte string (their length a varint padded to five
+    /// bytes, filled in once they are written): `(gap varint, decision)*`,
+    /// where `gap` is how many of the batch's ops were passed over since the
+    /// previous entry's (its index is the previous one's plus `gap` plus 1,
+    /// the first's `gap` itself). Peer protocol 2.2
+    /// (`peer_protocol::BATCH_ANSWERS_MINOR`).
+    pub const BATCH_ANSWERS: u8 = 7;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -220,11 +230,17 @@ pub fn put_decision(out: &mut Vec<u8>, decision: &WireDecision) {
 /// [`end_counted`] fills it in.
 pub fn begin_counted(out: &mut Vec<u8>, tag: u8, fields: &[u64]) -> usize {
     out.push(tag);
+    begin_counted_fields(out, fields)
+}
+
+/// [`begin_counted`] after the tag.
+fn begin_counted_fields(out: &mut Vec<u8>, fields: &[u64]) -> usize {
     for &field in fields {
         put_varint(out, field);
     }
     let at = out.len();
     out.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x00]);
+    debug_assert_eq!(out.len() - at, COUNT_ROOM_BYTES);
     at
 }
 
@@ -232,11 +248,114 @@ pub fn begin_counted(out: &mut Vec<u8>, tag: u8, fields: &[u64]) -> usize {
 /// five-byte varint (padded with continuation bits).
 pub fn end_counted(out: &mut [u8], at: usize, count: u32) {
     let mut value = count;
-    for i in 0..5 {
-        let last = i == 4;
+    for i in 0..COUNT_ROOM_BYTES {
+        let last = i == COUNT_ROOM_BYTES - 1;
         let byte = (value & 0x7f) as u8;
         value >>= 7;
         out[at + i] = if last { byte } else { byte | 0x80 };
+    }
+}
+
+/// Bytes of the room [`begin_counted`] reserves for a count or length.
+pub const COUNT_ROOM_BYTES: usize = 5;
+
+/// A batch-answers section as it is written ([`tag::BATCH_ANSWERS`]): begun
+/// at the batch's first answer, one entry per answer, ended once the batch
+/// is read (until then its length is not filled in).
+pub struct BatchAnswersWriter {
+    /// Where the section begins.
+    start: usize,
+    /// Where the section's length goes.
+    length_at: usize,
+    /// The index the next entry would have with a gap of 0.
+    next_index: u32,
+    /// Entries written.
+    count: u32,
+}
+
+impl BatchAnswersWriter {
+    pub fn begin(out: &mut Vec<u8>, boot: u64, batch: u64) -> BatchAnswersWriter {
+        let start = out.len();
+        out.push(tag::BATCH_ANSWERS);
+        out.extend_from_slice(&boot.to_le_bytes());
+        BatchAnswersWriter {
+            start,
+            length_at: begin_counted_fields(out, &[batch]),
+            next_index: 0,
+            count: 0,
+        }
+    }
+
+    /// Appends the answer of the batch's op `index` (indexes rise from
+    /// entry to entry).
+    pub fn put(&mut self, out: &mut Vec<u8>, index: u32, decision: &WireDecision) {
+        put_varint(out, u64::from(index.saturating_sub(self.next_index)));
+        self.next_index = index.saturating_add(1);
+        self.count += 1;
+        put_decision(out, decision);
+    }
+
+    /// Fills in the section's length; returns how many entries it holds.
+    pub fn end(self, out: &mut [u8]) -> u32 {
+        let entries = out.len() - self.length_at - COUNT_ROOM_BYTES;
+        end_counted(out, self.length_at, entries as u32);
+        self.count
+    }
+
+    /// Drops the section, unfinished, from `out`.
+    pub fn abandon(self, out: &mut Vec<u8>) {
+        out.truncate(self.start);
+    }
+}
+
+/// A batch-answers section's header, as read ([`tag::BATCH_ANSWERS`]).
+pub struct BatchAnswersHeader<'a> {
+    /// The incarnation of the node the answers are for.
+    pub boot: u64,
+    pub batch: u64,
+    /// The entries, `(gap, decision)*`: read with [`BatchAnswers`].
+    pub entries: &'a [u8],
+}
+
+impl<'a> BatchAnswersHeader<'a> {
+    pub fn read(reader: &mut Reader<'a>) -> Result<BatchAnswersHeader<'a>, FrameError> {
+        Ok(BatchAnswersHeader {
+            boot: reader.fixed_u64()?,
+            batch: reader.varint()?,
+            entries: reader.bytes()?,
+        })
+    }
+}
+
+/// The entries of a batch-answers section, read one by one: the index of
+/// the batch's op each answers, and its decision.
+pub struct BatchAnswers<'a> {
+    reader: Reader<'a>,
+    next_index: u64,
+}
+
+impl<'a> BatchAnswers<'a> {
+    pub fn new(entries: &'a [u8]) -> BatchAnswers<'a> {
+        BatchAnswers {
+            reader: Reader::new(entries),
+            next_index: 0,
+        }
+    }
+
+    /// The next entry's op index, its decision read into `decision`;
+    /// `None` after the last entry.
+    #[inline(always)]
+    pub fn next_into(&mut self, decision: &mut WireDecision) -> Result<Option<u64>, FrameError> {
+        if self.reader.is_empty() {
+            return Ok(None);
+        }
+        let index = self
+            .next_index
+            .checked_add(self.reader.varint()?)
+            .ok_or(FrameError::Invalid("answer index"))?;
+        self.next_index = index.saturating_add(1);
+        self.reader.decision_into(decision)?;
+        Ok(Some(index))
     }
 }
 
@@ -312,6 +431,16 @@ impl<'a> Reader<'a> {
             }
         }
         Err(FrameError::Invalid("varint"))
+    }
+
+    /// Reads eight bytes, little endian.
+    pub fn fixed_u64(&mut self) -> Result<u64, FrameError> {
+        let (word, rest) = self
+            .bytes
+            .split_first_chunk::<8>()
+            .ok_or(FrameError::Truncated)?;
+        self.bytes = rest;
+        Ok(u64::from_le_bytes(*word))
     }
 
     pub fn u32(&mut self) -> Result<u32, FrameError> {

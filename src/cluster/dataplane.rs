@@ -76,6 +76,9 @@ pub struct DataStats {
     /// Forwarded hits this node (as leader) answered in the frame carrying
     /// their round (`rounds.rs`, "Answers that ride with the round").
     pub round_answers: AtomicU64,
+    /// Forwarded hits this node (as leader) answered at once in a section
+    /// of their batch's own (peer protocol 2.2, `tag::BATCH_ANSWERS`).
+    pub batch_answers: AtomicU64,
     /// Peer connections closed unanswered: too many handshakes in progress.
     pub handshakes_refused: AtomicU64,
 }
@@ -288,6 +291,10 @@ impl DataPlane {
     pub fn peer_disconnected(&self, peer: NodeId, why: &str) {
         let out = self.out(peer);
         out.connected.store(false, Ordering::Release);
+        // Until the link connects again and negotiates, what is queued for
+        // the peer is written in the oldest minor's form, which every minor
+        // reads: the peer may come back as an older build.
+        out.minor.store(0, Ordering::Release);
         let taken = out.reset();
         let waits: Vec<ForwardWait> = {
             let mut forwards = self.forwards.lock();

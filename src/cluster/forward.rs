@@ -18,249 +18,20 @@ use super::replica::LocalDecision;
 use super::rounds::Waiter;
 use super::wire::{Answer, ShardRefusal, WireDecision};
 use super::NodeId;
-use crate::limiter::droplet_bucket::{Balances, TakeOutcome};
 use crate::limiter::{CounterState, Decision};
-use crate::store::{
-    BackendError, BatchDecided, CounterOp, Decisions, OpBatch, SlotAnswers, StoreFull,
-};
+use crate::store::{BackendError, BatchDecided, CounterOp, Decisions, OpBatch, SlotAnswers};
 use futures_util::future::BoxFuture;
-use futures_util::task::AtomicWaker;
-use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::cell::Cell;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 /// Pause before a hit that was not decided is routed again.
 pub const RETRY_PAUSE_MS: u64 = 25;
 
-/// Where one slot's answer stands.
-#[derive(Debug, Clone)]
-enum SlotAnswer {
-    Pending,
-    Done(Result<Answer, BackendError>),
-    /// Not decided: to be routed again.
-    Retry(ShardRefusal),
-}
-
-#[derive(Debug, Clone)]
-struct Slot {
-    answer: SlotAnswer,
-    shard: u32,
-    /// Where the slot's op is encoded in the board's `ops` (deferred ops).
-    op_at: u32,
-}
-
-struct BoardInner {
-    slots: Vec<Slot>,
-    ops: Vec<u8>,
-}
-
-/// The answers of one read batch's deferred ops, filled by whoever has them
-/// (the replicator on commit, the frame reader on a peer's answer); the
-/// last one wakes the connection.
-pub struct SlotBoard {
-    inner: Mutex<BoardInner>,
-    /// Slots still [`SlotAnswer::Pending`].
-    pending: AtomicU32,
-    /// Whether a slot was ever answered [`SlotAnswer::Retry`] (else there
-    /// is nothing to route again, and the slots are not scanned for it).
-    retried: AtomicBool,
-    waker: AtomicWaker,
-}
-
-fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
-    match decision {
-        WireDecision::Decided {
-            allowed,
-            credit,
-            next_reset_seconds,
-        } => SlotAnswer::Done(Ok(Answer::Hit(Decision {
-            allowed,
-            credit,
-            next_reset_seconds,
-        }))),
-        WireDecision::Bucket { accept, balances } => {
-            SlotAnswer::Done(Ok(Answer::bucket(TakeOutcome {
-                accept,
-                balances: Balances(balances),
-            })))
-        }
-        WireDecision::Unavailable { why, .. } => SlotAnswer::Done(Err(
-            BackendError::ShardUnavailable(WireDecision::describe(shard, &why)),
-        )),
-        WireDecision::Full { live_keys_max } => {
-            SlotAnswer::Done(Err(BackendError::Full(StoreFull {
-                live_keys_max: usize::try_from(live_keys_max).unwrap_or(usize::MAX),
-            })))
-        }
-        WireDecision::Retry { why, .. } => SlotAnswer::Retry(why),
-    }
-}
-
-impl SlotBoard {
-    fn new(slots: Vec<Slot>, ops: Vec<u8>) -> SlotBoard {
-        let pending = slots
-            .iter()
-            .filter(|s| matches!(s.answer, SlotAnswer::Pending))
-            .count() as u32;
-        let retried = slots
-            .iter()
-            .any(|s| matches!(s.answer, SlotAnswer::Retry(_)));
-        SlotBoard {
-            inner: Mutex::new(BoardInner { slots, ops }),
-            pending: AtomicU32::new(pending),
-            retried: AtomicBool::new(retried),
-            waker: AtomicWaker::new(),
-        }
-    }
-
-    /// Answers a pending slot (later answers for it are ignored).
-    pub fn fill(&self, slot: u32, decision: WireDecision) {
-        self.fill_many(std::iter::once((slot, decision)));
-    }
-
-    /// Answers pending slots, under one lock; wakes the connection when
-    /// the last one is in. Returns how many slots it answered.
-    pub fn fill_many(&self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> u32 {
-        let mut inner = self.inner.lock();
-        let mut filled = 0;
-        for (slot, decision) in answers {
-            let Some(entry) = inner.slots.get_mut(slot as usize) else {
-                continue;
-            };
-            if !matches!(entry.answer, SlotAnswer::Pending) {
-                continue;
-            }
-            entry.answer = result_of(entry.shard, decision);
-            if matches!(entry.answer, SlotAnswer::Retry(_)) {
-                self.retried.store(true, Ordering::Release);
-            }
-            filled += 1;
-        }
-        drop(inner);
-        if filled > 0 && self.pending.fetch_sub(filled, Ordering::AcqRel) == filled {
-            self.waker.wake();
-        }
-        filled
-    }
-
-    fn set(&self, slot: u32, answer: SlotAnswer) {
-        if matches!(answer, SlotAnswer::Retry(_)) {
-            self.retried.store(true, Ordering::Release);
-        }
-        let mut inner = self.inner.lock();
-        if let Some(entry) = inner.slots.get_mut(slot as usize) {
-            entry.answer = answer;
-        }
-    }
-
-    /// Resolves once no slot is pending.
-    fn settled(&self) -> Settled<'_> {
-        Settled { board: self }
-    }
-
-    /// The slots to route again, with their shard and op bytes.
-    fn retries(&self) -> Vec<(u32, u32, Vec<u8>)> {
-        if !self.retried.load(Ordering::Acquire) {
-            return Vec::new();
-        }
-        let inner = self.inner.lock();
-        let mut retries = Vec::new();
-        for (index, slot) in inner.slots.iter().enumerate() {
-            if let SlotAnswer::Retry(_) = slot.answer {
-                let rest = inner.ops.get(slot.op_at as usize..).unwrap_or_default();
-                let mut reader = Reader::new(rest);
-                if reader.op().is_ok() {
-                    let used = rest.len() - reader.remaining();
-                    retries.push((index as u32, slot.shard, rest[..used].to_vec()));
-                }
-            }
-        }
-        retries
-    }
-
-    /// Every slot's final answer, taken out of the board (its waiting is
-    /// over: an answer filled later finds no slot); pending ones had no
-    /// answer in time.
-    fn finish<T>(&self, timeout_ms: u64, as_wanted: AsWanted<T>) -> Vec<T> {
-        let slots = std::mem::take(&mut self.inner.lock().slots);
-        slots
-            .into_iter()
-            .map(|slot| match slot.answer {
-                SlotAnswer::Done(result) => result,
-                SlotAnswer::Pending => Err(BackendError::ShardUnavailable(WireDecision::describe(
-                    slot.shard,
-                    &ShardRefusal::Other(format!("no answer within {timeout_ms} ms")),
-                ))),
-                SlotAnswer::Retry(why) => Err(BackendError::ShardUnavailable(
-                    WireDecision::describe(slot.shard, &why),
-                )),
-            })
-            .map(as_wanted)
-            .collect()
-    }
-}
-
-struct Settled<'a> {
-    board: &'a SlotBoard,
-}
-
-impl Future for Settled<'_> {
-    type Output = ();
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if self.board.pending.load(Ordering::Acquire) == 0 {
-            return Poll::Ready(());
-        }
-        self.board.waker.register(cx.waker());
-        if self.board.pending.load(Ordering::Acquire) == 0 {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    }
-}
-
-/// A batch forwarded to a peer, waiting for its answers.
-pub struct ForwardWait {
-    pub peer: NodeId,
-    pub board: Arc<SlotBoard>,
-    /// The board slot of each op of the batch, in order.
-    pub slots: SmallVec<[u32; 16]>,
-    pub answered: u32,
-    /// The outbox frame the batch went in (see `PeerOut`).
-    pub frame: u64,
-    pub sent_at: Instant,
-}
-
-impl ForwardWait {
-    /// Answers ops of the batch (by index); says whether every op is
-    /// answered now.
-    pub fn answer_many(&mut self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> bool {
-        let slots = &self.slots;
-        // Only answers that filled a pending slot count: an answer may
-        // come twice (sent with its round, then again after the link
-        // broke before the leader heard that it arrived).
-        self.answered += self.board.fill_many(
-            answers
-                .into_iter()
-                .filter_map(|(index, decision)| Some((*slots.get(index as usize)?, decision))),
-        );
-        self.answered as usize >= self.slots.len()
-    }
-
-    /// Answers every op still waiting.
-    pub fn fail(self, decision: WireDecision) {
-        for &slot in &self.slots {
-            self.board.fill(slot, decision.clone());
-        }
-    }
-}
+mod board;
+use board::{result_of, Slot, SlotAnswer};
+pub use board::{ForwardWait, SlotBoard};
 
 /// How [`ClusterBatch::route`] left an op.
 enum Routed {
@@ -640,7 +411,7 @@ impl ClusterBatch {
                 }
             }
         }
-        board.inner.lock().ops = ops;
+        board.keep_ops(ops);
         Some(Box::pin(wait_for_answers(dp, board, deadline, as_wanted)))
     }
 }

@@ -306,6 +306,8 @@ pub struct ClusterSnapshot {
     pub peer_version_refusals: u64,
     /// Forwarded hits answered in the frame carrying their round.
     pub round_answers: u64,
+    /// Forwarded hits answered at once in a section of their batch's own.
+    pub batch_answers: u64,
 }
 
 /// One shard's replica on this node, for the per-shard series.
@@ -481,6 +483,7 @@ impl Cluster {
                 .map(|disk| disk.write_errors.load(Ordering::Relaxed)),
             peer_version_refusals: auth::version_refusals(),
             round_answers: dp.stats.round_answers.load(Ordering::Relaxed),
+            batch_answers: dp.stats.batch_answers.load(Ordering::Relaxed),
         }
     }
 

@@ -14,10 +14,11 @@ use std::sync::OnceLock;
 /// had to match exactly. 2.0 also brought data frames that carry droplet
 /// buckets (an op code, a decision code and a counter state of their own)
 /// and hellos that carry the committed rule set's version, which no node of
-/// major 1 can read. 2.1 added [`ROUND_ANSWERS_MINOR`].
+/// major 1 can read. 2.1 added [`ROUND_ANSWERS_MINOR`], 2.2
+/// [`BATCH_ANSWERS_MINOR`].
 pub const PROTOCOL: Protocol = Protocol {
     major: 2,
-    minor: 1,
+    minor: 2,
     oldest_minor: 0,
 };
 
@@ -25,6 +26,13 @@ pub const PROTOCOL: Protocol = Protocol {
 /// the frame that carries their round (`data_frames::tag::ROUND_ANSWERS`)
 /// instead of in a message of its own once the round commits.
 pub const ROUND_ANSWERS_MINOR: u8 = 1;
+/// The minor from which a leader answers a forwarded batch's hits decided
+/// at once in a section of the batch's own, its entries' byte length first
+/// (`data_frames::tag::BATCH_ANSWERS`), instead of as `(batch, index,
+/// decision)` entries of one `ANSWERS` section per frame: the forwarder
+/// finds the batch once and decodes each decision straight into its slot,
+/// and the prefetch's walk over a frame steps over the section whole.
+pub const BATCH_ANSWERS_MINOR: u8 = 2;
 /// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
 /// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
 /// upgrade", says how tests use it). Not for production: the node's frames

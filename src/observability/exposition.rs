@@ -318,6 +318,12 @@ cluster_family!(
     "Forwarded hits this node, as their shard's leader, answered in the frame carrying their round to the replica that forwarded them (strict mode; that replica answers once it applied the round)."
 );
 cluster_family!(
+    CLUSTER_BATCH_ANSWERS,
+    "tollgate_cluster_batch_answers_total",
+    MetricType::COUNTER,
+    "Forwarded hits this node, as their shard's leader, answered at once in a section of their forwarded batch's own (peer protocol 2.2; to a peer of 2.1 or older they go in one answers section per frame)."
+);
+cluster_family!(
     CLUSTER_DATA_DIR_WRITE_ERRORS,
     "tollgate_cluster_data_dir_write_errors_total",
     MetricType::COUNTER,
@@ -556,6 +562,10 @@ impl Collector for ServerCollector {
             out.push(plain_counter(
                 &CLUSTER_ROUND_ANSWERS,
                 snapshot.round_answers,
+            ));
+            out.push(plain_counter(
+                &CLUSTER_BATCH_ANSWERS,
+                snapshot.batch_answers,
             ));
             if let Some(errors) = snapshot.data_dir_write_errors {
                 out.push(plain_counter(&CLUSTER_DATA_DIR_WRITE_ERRORS, errors));

@@ -2,8 +2,10 @@
 //! upgrade from the previous minor version to this build's (each node
 //! restarted in turn, advertising the previous one with the test-only
 //! `TOLLGATE_TEST_PEER_PROTOCOL`, then its own) keeps the cluster serving
-//! with its counters, and what the newer minor added (answers that ride
-//! with their round) is sent only once both ends speak it; a node of
+//! with its counters, and what the newer minor added (a forwarded batch's
+//! answers in a section of its own) is sent only once both ends speak it,
+//! while what the previous minor added (answers that ride with their
+//! round) goes on throughout; a node of
 //! another major is refused on both sides: it exits naming both versions,
 //! the nodes it dialed log the refusal and count it (and their data dirs
 //! count no write error).
@@ -23,9 +25,15 @@ fn advertise(cluster: &mut TestCluster, id: u64, version: &str) {
 /// The `[path=/chaos]` credit (1000 an hour) left to `user` through node
 /// `via` after one more hit.
 fn hit(cluster: &TestCluster, via: u64, user: &str) -> i64 {
+    credit_of(cluster, via, "HIT", user)
+}
+
+/// The `[path=/chaos]` credit `command` (`HIT` or `PEEK`) of `user` answers
+/// through node `via`.
+fn credit_of(cluster: &TestCluster, via: u64, command: &str, user: &str) -> i64 {
     let answers = converse(
         cluster.client(via),
-        &[format!("HIT path=/chaos user={user}")],
+        &[format!("{command} path=/chaos user={user}")],
     );
     let (_, credit, _) = answers
         .first()
@@ -34,31 +42,42 @@ fn hit(cluster: &TestCluster, via: u64, user: &str) -> i64 {
     credit
 }
 
-/// Forwarded hits the cluster's leaders answered with their round, all
-/// nodes together (each counts from its start).
-fn round_answers(cluster: &TestCluster) -> f64 {
+/// A counter of every node's `/metrics`, all nodes together (each counts
+/// from its start).
+fn total(cluster: &TestCluster, series: &str) -> f64 {
     [1, 2, 3]
         .iter()
         .map(|&id| {
-            metric(
-                cluster.metrics_addr(id),
-                "tollgate_cluster_round_answers_total",
-            )
-            .unwrap_or_else(|| panic!("node {id} has no round-answers series"))
+            metric(cluster.metrics_addr(id), series)
+                .unwrap_or_else(|| panic!("node {id} has no {series} series"))
         })
         .sum()
 }
 
-/// One hit of fresh actors through every node (some forwarded to their
-/// shard's leader, which answers them with their round from 2.1 on).
+/// Forwarded hits the cluster's leaders answered with their round (2.1).
+fn round_answers(cluster: &TestCluster) -> f64 {
+    total(cluster, "tollgate_cluster_round_answers_total")
+}
+
+/// Forwarded hits the cluster's leaders answered at once in a section of
+/// their batch's own (2.2).
+fn batch_answers(cluster: &TestCluster) -> f64 {
+    total(cluster, "tollgate_cluster_batch_answers_total")
+}
+
+/// One hit, then one peek, of fresh actors through every node; some are
+/// forwarded to their shard's leader, which answers a hit with its round
+/// (strict mode, from 2.1 on) and a peek at once (it changes no counter),
+/// in a section of the batch's own from 2.2 on.
 fn hit_fresh_actors(cluster: &TestCluster, round: &str) {
     for via in [1, 2, 3] {
         for actor in 0..8 {
-            assert_eq!(
-                hit(cluster, via, &format!("{round}-{via}-{actor}")),
-                999,
-                "node {via}"
-            );
+            let user = format!("{round}-{via}-{actor}");
+            assert_eq!(hit(cluster, via, &user), 999, "node {via}");
+            // A peek answers as the next hit would, and counts nothing.
+            for _ in 0..2 {
+                assert_eq!(credit_of(cluster, via, "PEEK", &user), 998, "node {via}");
+            }
         }
     }
 }
@@ -101,15 +120,19 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
         }
         if step == 2 {
             // Every node speaks the previous minor: no leader answers a
-            // hit with its round (an older node could not read it).
+            // batch in a section of its own (an older node could not read
+            // it), and hits still ride with their round.
             hit_fresh_actors(&cluster, "previous");
-            assert_eq!(round_answers(&cluster), 0.0);
+            assert_eq!(batch_answers(&cluster), 0.0);
+            assert!(round_answers(&cluster) > 0.0);
         }
     }
-    // Every node speaks this build's minor: forwarded hits are answered
-    // with their round.
+    // Every node speaks this build's minor: forwarded peeks are answered
+    // in their batch's own section, and hits still with their round.
+    let rounds_before = round_answers(&cluster);
     hit_fresh_actors(&cluster, "own");
-    assert!(round_answers(&cluster) > 0.0);
+    assert!(batch_answers(&cluster) > 0.0);
+    assert!(round_answers(&cluster) > rounds_before);
 
     // Node 3 of major 3 cannot join: it exits naming both versions.
     cluster.kill(3);

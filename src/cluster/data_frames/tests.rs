@@ -399,6 +399,11 @@ fn frame_of_every_kind() -> Vec<u8> {
     put_varint(&mut out, 0);
     put_decision(&mut out, &decisions[1]);
     end_counted(&mut out, at, 1);
+    let mut batch = BatchAnswersWriter::begin(&mut out, 3, u64::MAX);
+    for (index, decision) in decisions.iter().enumerate() {
+        batch.put(&mut out, 2 * index as u32, decision);
+    }
+    batch.end(&mut out);
     put_sample_ack(&mut out);
     out.push(tag::BEAT);
     let at = begin_counted(&mut out, tag::ROUND, &[5, 1, 0, 8]);
@@ -420,7 +425,7 @@ fn keys_of(walk: impl FnOnce(&mut dyn FnMut(&[u8]) -> bool)) -> Vec<Vec<u8>> {
 #[test]
 fn skimming_a_frame_finds_the_keys_the_full_walk_finds() {
     let frame = frame_of_every_kind();
-    assert_eq!(validate(&frame), Ok(7));
+    assert_eq!(validate(&frame), Ok(8));
     let walked = keys_of(|visit| {
         walk_keys(&frame, visit).unwrap();
     });
@@ -534,4 +539,91 @@ fn an_op_read_into_a_reused_view_replaces_every_field() {
         assert_eq!(op, expected);
     }
     assert!(reader.is_empty());
+}
+
+/// A batch-answers section as read back: boot, batch, and each answer's
+/// `(index, decision)`.
+type ReadBack = (u64, u64, Vec<(u64, WireDecision)>);
+
+/// The answers of one batch's section, read back.
+fn batch_answers_of(section: &[u8]) -> Result<ReadBack, FrameError> {
+    let mut reader = Reader::new(section);
+    assert_eq!(reader.u8()?, tag::BATCH_ANSWERS);
+    let header = BatchAnswersHeader::read(&mut reader)?;
+    assert!(reader.is_empty(), "the section ends with its entries");
+    let mut answers = BatchAnswers::new(header.entries);
+    let mut read = Vec::new();
+    let mut decision = WireDecision::Full { live_keys_max: 0 };
+    while let Some(index) = answers.next_into(&mut decision)? {
+        read.push((index, decision.clone()));
+    }
+    Ok((header.boot, header.batch, read))
+}
+
+#[test]
+fn a_batchs_answers_read_back_at_their_indexes_and_an_unfinished_section_goes() {
+    let decided = |credit| WireDecision::Decided {
+        allowed: credit > 0,
+        credit,
+        next_reset_seconds: 60,
+    };
+    let refused = WireDecision::Retry {
+        shard: 7,
+        why: ShardRefusal::NotLeader(2),
+    };
+    // Indexes with gaps (ops that wait for their commit are not answered
+    // here): 0, 1, then 5, then 300 (a gap of more than one varint byte).
+    let written = [
+        (0, decided(999)),
+        (1, decided(-1)),
+        (5, refused.clone()),
+        (300, decided(0)),
+    ];
+    let mut out = vec![tag::BEAT];
+    let mut section = BatchAnswersWriter::begin(&mut out, 77, 1 << 40);
+    for (index, decision) in &written {
+        section.put(&mut out, *index, decision);
+    }
+    assert_eq!(section.end(&mut out), 4);
+    let (boot, batch, read) = batch_answers_of(&out[1..]).unwrap();
+    assert_eq!((boot, batch), (77, 1 << 40));
+    let expected: Vec<_> = written
+        .iter()
+        .map(|(i, d)| (u64::from(*i), d.clone()))
+        .collect();
+    assert_eq!(read, expected);
+    assert_eq!(validate(&out), Ok(2));
+    // The prefetch's skim steps over the section whole, to what follows.
+    let mut framed = out.clone();
+    let at = begin_counted(&mut framed, tag::ROUND, &[1, 2, 3, 4]);
+    put_bytes(&mut framed, b"after");
+    put_state(&mut framed, &CounterState::Window { end_ms: 1, used: 1 });
+    end_counted(&mut framed, at, 1);
+    assert_eq!(
+        keys_of(|visit| skim_keys(&framed, visit)),
+        vec![b"after".to_vec()]
+    );
+    // A section cut inside an entry, or claiming more than there is, is an
+    // error, not a panic.
+    for cut in 1..out.len() {
+        assert!(batch_answers_of(&out[1..cut]).is_err(), "cut at {cut}");
+    }
+    // A section abandoned half-written leaves what came before it.
+    let mut out = vec![tag::BEAT];
+    let mut section = BatchAnswersWriter::begin(&mut out, 1, 2);
+    section.put(&mut out, 0, &decided(5));
+    section.abandon(&mut out);
+    assert_eq!(out, vec![tag::BEAT]);
+    // An empty section reads as no answers.
+    let mut out = Vec::new();
+    assert_eq!(BatchAnswersWriter::begin(&mut out, 1, 2).end(&mut out), 0);
+    assert_eq!(batch_answers_of(&out).unwrap().2, Vec::new());
+}
+
+#[test]
+fn the_fuzz_seed_of_a_batchs_answers_is_a_valid_frame() {
+    // fuzz/corpus/peer_frames/batch_answers: a FORWARD section of two ops,
+    // then a BATCH_ANSWERS section answering both.
+    let seed = include_bytes!("../../../fuzz/corpus/peer_frames/batch_answers");
+    assert_eq!(validate(seed), Ok(2));
 }

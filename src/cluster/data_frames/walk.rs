@@ -4,7 +4,10 @@
 //! prefetch that runs before a frame is handled. Both show their visitor
 //! the same counter keys in the same order.
 
-use super::{tag, Ack, FrameError, Reader, RoundAnswersHeader, RoundHeader, BUCKET_OP_CODE};
+use super::{
+    tag, Ack, BatchAnswers, BatchAnswersHeader, FrameError, Reader, RoundAnswersHeader,
+    RoundHeader, WireDecision, BUCKET_OP_CODE,
+};
 use crate::limiter::droplet_bucket::PERIOD_COUNT;
 
 /// Reads every section of a data frame's body without acting on it (the
@@ -30,6 +33,7 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
                     }
                 }
             }
+
             tag::ANSWERS => {
                 reader.varint()?;
                 for _ in 0..reader.count(3)? {
@@ -37,6 +41,12 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
                     reader.u32()?;
                     reader.decision()?;
                 }
+            }
+            tag::BATCH_ANSWERS => {
+                let header = BatchAnswersHeader::read(&mut reader)?;
+                let mut answers = BatchAnswers::new(header.entries);
+                let mut decision = WireDecision::Full { live_keys_max: 0 };
+                while answers.next_into(&mut decision)?.is_some() {}
             }
             tag::ROUND_ANSWERS => {
                 for _ in 0..RoundAnswersHeader::read(&mut reader)?.count {
@@ -105,6 +115,13 @@ impl<'a> Skim<'a> {
                 // shard), then the answers.
                 tag::ANSWERS => self.answers(1)?,
                 tag::ROUND_ANSWERS => self.answers(3)?,
+                // Boot (eight bytes) and batch, then the entries as one
+                // byte string.
+                tag::BATCH_ANSWERS => {
+                    self.reader.fixed_u64().ok()?;
+                    self.skip_varints(1)?;
+                    self.bytes()?;
+                }
                 tag::ROUND => {
                     self.skip_varints(4)?;
                     for _ in 0..self.varint()? {

@@ -8,10 +8,11 @@
 
 use super::{replica_in, DataPlane, DataStats, DecidedState, ReplicaTable};
 use crate::cluster::data_frames::{
-    begin_counted, end_counted, put_decision, put_varint, skim_keys, tag, Ack, FrameError, OpView,
-    Reader, RoundAnswersHeader, RoundHeader,
+    begin_counted, end_counted, put_decision, put_varint, skim_keys, tag, Ack, BatchAnswersHeader,
+    BatchAnswersWriter, FrameError, OpView, Reader, RoundAnswersHeader, RoundHeader,
 };
 use crate::cluster::outbox::PeerOut;
+use crate::cluster::peer_protocol::BATCH_ANSWERS_MINOR;
 use crate::cluster::replica::LocalDecision;
 use crate::cluster::rounds::Waiter;
 use crate::cluster::wire::{ApplyRefusal, ShardRefusal, WireDecision};
@@ -106,8 +107,14 @@ impl DataPlane {
             answered,
             answered_with_rounds,
         } = &mut scratch;
+        // Answers go back a section per batch to a peer that reads them so
+        // (peer protocol 2.2), else in one `ANSWERS` section for the frame.
+        let per_batch = out.speaks_minor(BATCH_ANSWERS_MINOR);
         let mut answer_count = 0u32;
         let mut answers_at = None;
+        // The batch-answers section being written, if a batch's reading
+        // stopped inside it (a malformed frame): dropped unfinished.
+        let mut open_batch: Option<BatchAnswersWriter> = None;
         let mut ended = Vec::new();
         // The round section just read, `(round, shard)`, if it was applied.
         let mut applied: Option<(u64, u32)> = None;
@@ -138,15 +145,34 @@ impl DataPlane {
                                 keys,
                                 decided,
                             );
-                            if let Some(answer) = answer {
-                                answers_at.get_or_insert_with(|| {
-                                    begin_counted(answers, tag::ANSWERS, &[from_boot])
-                                });
-                                put_varint(answers, batch);
-                                put_varint(answers, u64::from(index));
-                                put_decision(answers, &answer);
-                                answer_count += 1;
+                            let Some(answer) = answer else { continue };
+                            if per_batch {
+                                open_batch
+                                    .get_or_insert_with(|| {
+                                        BatchAnswersWriter::begin(answers, from_boot, batch)
+                                    })
+                                    .put(answers, index, &answer);
+                                continue;
                             }
+                            answers_at.get_or_insert_with(|| {
+                                begin_counted(answers, tag::ANSWERS, &[from_boot])
+                            });
+                            put_varint(answers, batch);
+                            put_varint(answers, u64::from(index));
+                            put_decision(answers, &answer);
+                            answer_count += 1;
+                        }
+                        if let Some(section) = open_batch.take() {
+                            let answered = section.end(answers);
+                            DataStats::add(&self.stats.batch_answers, u64::from(answered));
+                        }
+                    }
+                    tag::BATCH_ANSWERS => {
+                        let header = BatchAnswersHeader::read(&mut reader)?;
+                        // Answers meant for this node's previous life are
+                        // stepped over, never taken.
+                        if header.boot == self.boot {
+                            self.take_batch_answers(header.batch, header.entries)?;
                         }
                     }
                     tag::ANSWERS => {
@@ -203,11 +229,14 @@ impl DataPlane {
                     .map(|(at, len, state)| (&keys[at..at + len], state)),
             );
         }
+        if let Some(section) = open_batch {
+            section.abandon(answers);
+        }
         if let Some(at) = answers_at {
             end_counted(answers, at, answer_count);
-            if out.append(|body| body.extend_from_slice(answers)).is_some() {
-                out.wake.notify_one();
-            }
+        }
+        if !answers.is_empty() && out.append(|body| body.extend_from_slice(answers)).is_some() {
+            out.wake.notify_one();
         }
         self.release(ended);
         scratch.clear();
@@ -238,6 +267,20 @@ impl DataPlane {
                 None => run.for_each(drop),
             }
         }
+    }
+
+    /// Fills the board of forwarded batch `batch` with a batch-answers
+    /// section's entries (see [`DataPlane::take_answers`]); a batch no
+    /// longer waiting (answered, timed out) is stepped over undecoded.
+    fn take_batch_answers(&self, batch: u64, entries: &[u8]) -> Result<(), FrameError> {
+        let mut forwards = self.forwards.lock();
+        let Some(wait) = forwards.get_mut(&batch) else {
+            return Ok(());
+        };
+        if wait.answer_entries(entries)? {
+            forwards.remove(&batch);
+        }
+        Ok(())
     }
 
     /// Prefetches the store lines of the first [`FRAME_PREFETCH_KEYS_MAX`]
