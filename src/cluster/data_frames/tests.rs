@@ -262,9 +262,25 @@ fn varints_round_trip_at_every_length_and_position() {
         values.push((1 << bits) - 1);
     }
     for &value in &values {
+        // LEB128 by its definition, a byte at a time.
+        let mut reference = Vec::new();
+        let mut rest = value;
+        loop {
+            let group = (rest & 0x7f) as u8;
+            rest >>= 7;
+            if rest == 0 {
+                reference.push(group);
+                break;
+            }
+            reference.push(group | 0x80);
+        }
         // Alone (the byte-at-a-time path near a body's end), and followed by
-        // enough bytes for the ten-byte window.
+        // enough bytes for the eight-byte word; written after other bytes
+        // and alone.
         for trailing in [0usize, 3, 12] {
+            let mut out = vec![0x55; trailing];
+            put_varint(&mut out, value);
+            assert_eq!(out[trailing..], reference, "{value:#x}");
             let mut out = Vec::new();
             put_varint(&mut out, value);
             let encoded = out.len();

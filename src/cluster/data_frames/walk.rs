@@ -168,11 +168,20 @@ impl<'a> Skim<'a> {
         self.reader.bytes().ok()
     }
 
-    /// Steps over `n` varints: each ends at its first byte under 0x80.
+    /// Steps over `n` varints: each ends at its first byte under 0x80,
+    /// found in one word when it is among the next eight bytes (see
+    /// [`Reader::varint`]).
     fn skip_varints(&mut self, n: usize) -> Option<()> {
         for _ in 0..n {
             let bytes = self.reader.bytes;
-            let end = bytes.iter().position(|&byte| byte < 0x80)?;
+            let ends = bytes.first_chunk::<8>().map_or(0, |chunk| {
+                !u64::from_le_bytes(*chunk) & 0x8080_8080_8080_8080
+            });
+            let end = if ends != 0 {
+                (ends.trailing_zeros() / 8) as usize
+            } else {
+                bytes.iter().position(|&byte| byte < 0x80)?
+            };
             self.reader.bytes = &bytes[end + 1..];
         }
         Some(())
