@@ -172,7 +172,7 @@ impl DataPlane {
                         // Answers meant for this node's previous life are
                         // stepped over, never taken.
                         if header.boot == self.boot {
-                            self.take_batch_answers(header.batch, header.entries)?;
+                            self.take_batch_answers(from, header.batch, header.entries)?;
                         }
                     }
                     tag::ANSWERS => {
@@ -270,11 +270,17 @@ impl DataPlane {
     }
 
     /// Fills the board of forwarded batch `batch` with a batch-answers
-    /// section's entries (see [`DataPlane::take_answers`]); a batch no
-    /// longer waiting (answered, timed out) is stepped over undecoded.
-    fn take_batch_answers(&self, batch: u64, entries: &[u8]) -> Result<(), FrameError> {
+    /// section's entries from `from` (see [`DataPlane::take_answers`]); a
+    /// batch no longer waiting (answered, timed out), or not forwarded to
+    /// `from`, is stepped over undecoded.
+    fn take_batch_answers(
+        &self,
+        from: NodeId,
+        batch: u64,
+        entries: &[u8],
+    ) -> Result<(), FrameError> {
         let mut forwards = self.forwards.lock();
-        let Some(wait) = forwards.get_mut(&batch) else {
+        let Some(wait) = forwards.get_mut(&batch).filter(|wait| wait.peer == from) else {
             return Ok(());
         };
         if wait.answer_entries(entries)? {
