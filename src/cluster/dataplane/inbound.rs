@@ -111,6 +111,9 @@ impl DataPlane {
         // (peer protocol 2.2), else in one `ANSWERS` section for the frame.
         let per_batch = out.speaks_minor(BATCH_ANSWERS_MINOR);
         let mut answer_count = 0u32;
+        // The frame's forwarded hits, and those answered in batch-answers
+        // sections: counted once for the frame, not per section.
+        let (mut forwarded_here, mut batch_answered) = (0u64, 0u64);
         let mut answers_at = None;
         // The batch-answers section being written, if a batch's reading
         // stopped inside it (a malformed frame): dropped unfinished.
@@ -131,7 +134,7 @@ impl DataPlane {
                     tag::FORWARD => {
                         let batch = reader.varint()?;
                         let count = reader.count(4)?;
-                        DataStats::add(&self.stats.forwards_decided, u64::from(count));
+                        forwarded_here += u64::from(count);
                         let mut op = OpView::EMPTY;
                         for index in 0..count {
                             reader.op_into(&mut op)?;
@@ -163,8 +166,7 @@ impl DataPlane {
                             answer_count += 1;
                         }
                         if let Some(section) = open_batch.take() {
-                            let answered = section.end(answers);
-                            DataStats::add(&self.stats.batch_answers, u64::from(answered));
+                            batch_answered += u64::from(section.end(answers));
                         }
                     }
                     tag::BATCH_ANSWERS => {
@@ -231,6 +233,10 @@ impl DataPlane {
         }
         if let Some(section) = open_batch {
             section.abandon(answers);
+        }
+        if forwarded_here > 0 {
+            DataStats::add(&self.stats.forwards_decided, forwarded_here);
+            DataStats::add(&self.stats.batch_answers, batch_answered);
         }
         if let Some(at) = answers_at {
             end_counted(answers, at, answer_count);
