@@ -10,7 +10,9 @@
 //! are a varint length and the bytes. Everything a reader decodes is
 //! bounds-checked: a short or garbled frame is an error, never a panic, and
 //! a claimed length larger than what is left is refused before anything is
-//! allocated (the `data_frames` fuzz target checks this).
+//! allocated (the `data_frames` fuzz target checks this). Varints are
+//! written and read in `varint.rs`, the sections answering forwarded hits in
+//! `answers.rs`, and frames walked without acting on them in `walk.rs`.
 
 use super::wire::{ApplyRefusal, ShardRefusal, WireDecision};
 use crate::limiter::droplet_bucket::{TakeRequest, PERIOD_COUNT};
@@ -64,51 +66,6 @@ pub enum FrameError {
     UnknownTag(u8),
     #[error("data frame has an invalid {0}")]
     Invalid(&'static str),
-}
-
-/// Appends a varint: one byte inlined; a longer one under 2^56 (all a frame
-/// carries but the extremes) as one word, its 7-bit groups spread out and
-/// its continuation bits set, of which the bytes past its length are cut
-/// off again (a copy of a fixed eight bytes, not a byte at a time).
-#[inline(always)]
-pub fn put_varint(out: &mut Vec<u8>, value: u64) {
-    if value < 0x80 {
-        out.push(value as u8);
-        return;
-    }
-    put_long_varint(out, value);
-}
-
-/// [`put_varint`] of a value of more than one byte, out of line.
-#[inline(never)]
-fn put_long_varint(out: &mut Vec<u8>, value: u64) {
-    if value < 1 << 56 {
-        let length = (64 - value.leading_zeros() as usize).div_ceil(7);
-        let continued = 0x8080_8080_8080_8080 & (u64::MAX >> (64 - 8 * (length - 1)));
-        let at = out.len();
-        out.extend_from_slice(&(spread_seven_bit_groups(value) | continued).to_le_bytes());
-        out.truncate(at + length);
-        return;
-    }
-    put_varint_bytewise(out, value);
-}
-
-/// The inverse of [`seven_bit_groups`]: `value`'s (under 2^56) 7-bit
-/// groups, one per byte of the word, low group first.
-#[inline(always)]
-fn spread_seven_bit_groups(value: u64) -> u64 {
-    let halves = (value & 0x0fff_ffff) | ((value & 0x00ff_ffff_f000_0000) << 4);
-    let quads = (halves & 0x0000_3fff_0000_3fff) | ((halves & 0x0fff_c000_0fff_c000) << 2);
-    (quads & 0x007f_007f_007f_007f) | ((quads & 0x3f80_3f80_3f80_3f80) << 1)
-}
-
-/// [`put_varint`] a byte at a time (values of 2^56 and up).
-fn put_varint_bytewise(out: &mut Vec<u8>, mut value: u64) {
-    while value >= 0x80 {
-        out.push((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
 }
 
 fn put_signed(out: &mut Vec<u8>, value: i64) {
@@ -295,106 +252,6 @@ pub fn end_counted(out: &mut [u8], at: usize, count: u32) {
 /// Bytes of the room [`begin_counted`] reserves for a count or length.
 pub const COUNT_ROOM_BYTES: usize = 5;
 
-/// A batch-answers section as it is written ([`tag::BATCH_ANSWERS`]): begun
-/// at the batch's first answer, one entry per answer, ended once the batch
-/// is read (until then its length is not filled in).
-pub struct BatchAnswersWriter {
-    /// Where the section begins.
-    start: usize,
-    /// Where the section's length goes.
-    length_at: usize,
-    /// The index the next entry would have with a gap of 0.
-    next_index: u32,
-    /// Entries written.
-    count: u32,
-}
-
-impl BatchAnswersWriter {
-    pub fn begin(out: &mut Vec<u8>, boot: u64, batch: u64) -> BatchAnswersWriter {
-        let start = out.len();
-        out.push(tag::BATCH_ANSWERS);
-        out.extend_from_slice(&boot.to_le_bytes());
-        BatchAnswersWriter {
-            start,
-            length_at: begin_counted_fields(out, &[batch]),
-            next_index: 0,
-            count: 0,
-        }
-    }
-
-    /// Appends the answer of the batch's op `index` (indexes rise from
-    /// entry to entry).
-    pub fn put(&mut self, out: &mut Vec<u8>, index: u32, decision: &WireDecision) {
-        put_varint(out, u64::from(index.saturating_sub(self.next_index)));
-        self.next_index = index.saturating_add(1);
-        self.count += 1;
-        put_decision(out, decision);
-    }
-
-    /// Fills in the section's length; returns how many entries it holds.
-    pub fn end(self, out: &mut [u8]) -> u32 {
-        let entries = out.len() - self.length_at - COUNT_ROOM_BYTES;
-        end_counted(out, self.length_at, entries as u32);
-        self.count
-    }
-
-    /// Drops the section, unfinished, from `out`.
-    pub fn abandon(self, out: &mut Vec<u8>) {
-        out.truncate(self.start);
-    }
-}
-
-/// A batch-answers section's header, as read ([`tag::BATCH_ANSWERS`]).
-pub struct BatchAnswersHeader<'a> {
-    /// The incarnation of the node the answers are for.
-    pub boot: u64,
-    pub batch: u64,
-    /// The entries, `(gap, decision)*`: read with [`BatchAnswers`].
-    pub entries: &'a [u8],
-}
-
-impl<'a> BatchAnswersHeader<'a> {
-    pub fn read(reader: &mut Reader<'a>) -> Result<BatchAnswersHeader<'a>, FrameError> {
-        Ok(BatchAnswersHeader {
-            boot: reader.fixed_u64()?,
-            batch: reader.varint()?,
-            entries: reader.bytes()?,
-        })
-    }
-}
-
-/// The entries of a batch-answers section, read one by one: the index of
-/// the batch's op each answers, and its decision.
-pub struct BatchAnswers<'a> {
-    reader: Reader<'a>,
-    next_index: u64,
-}
-
-impl<'a> BatchAnswers<'a> {
-    pub fn new(entries: &'a [u8]) -> BatchAnswers<'a> {
-        BatchAnswers {
-            reader: Reader::new(entries),
-            next_index: 0,
-        }
-    }
-
-    /// The next entry's op index, its decision read into `decision`;
-    /// `None` after the last entry.
-    #[inline(always)]
-    pub fn next_into(&mut self, decision: &mut WireDecision) -> Result<Option<u64>, FrameError> {
-        if self.reader.is_empty() {
-            return Ok(None);
-        }
-        let index = self
-            .next_index
-            .checked_add(self.reader.varint()?)
-            .ok_or(FrameError::Invalid("answer index"))?;
-        self.next_index = index.saturating_add(1);
-        self.reader.decision_into(decision)?;
-        Ok(Some(index))
-    }
-}
-
 /// A forwarded op as it is read (borrowing the frame's bytes) or written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpView<'a> {
@@ -429,17 +286,6 @@ pub struct BucketOp {
     pub cleanup_interval_ms: u64,
 }
 
-/// The value of a varint of up to eight bytes, given as the little-endian
-/// word of its bytes (the bytes after it zeroed): each byte's low seven
-/// bits, in order. Pairs of bytes are joined into 14-bit groups, pairs of
-/// those into 28-bit groups, then the two halves.
-#[inline(always)]
-fn seven_bit_groups(word: u64) -> u64 {
-    let pairs = (word & 0x007f_007f_007f_007f) | ((word & 0x7f00_7f00_7f00_7f00) >> 1);
-    let quads = (pairs & 0x0000_3fff_0000_3fff) | ((pairs & 0x3fff_0000_3fff_0000) >> 2);
-    (quads & 0x0000_0000_0fff_ffff) | ((quads & 0x0fff_ffff_0000_0000) >> 4)
-}
-
 /// A bounds-checked reader over a frame's body.
 pub struct Reader<'a> {
     bytes: &'a [u8],
@@ -463,66 +309,6 @@ impl<'a> Reader<'a> {
         let (&first, rest) = self.bytes.split_first().ok_or(FrameError::Truncated)?;
         self.bytes = rest;
         Ok(first)
-    }
-
-    /// Reads a varint: one byte inlined, a longer one out of line (see
-    /// [`Reader::long_varint`]).
-    #[inline(always)]
-    pub fn varint(&mut self) -> Result<u64, FrameError> {
-        match self.bytes {
-            [first, rest @ ..] if *first < 0x80 => {
-                self.bytes = rest;
-                Ok(u64::from(*first))
-            }
-            _ => self.long_varint(),
-        }
-    }
-
-    /// A varint of more than one byte: up to eight from one little-endian
-    /// word of the frame (its end found from the word's continuation bits,
-    /// its 7-bit groups gathered with three shifts), longer ones and those
-    /// near the frame's end a byte at a time. Timestamps in states take six
-    /// bytes, and byte by byte each one cost a bounds check and a store of
-    /// the rest of the frame per byte.
-    #[inline(never)]
-    fn long_varint(&mut self) -> Result<u64, FrameError> {
-        if let Some(chunk) = self.bytes.first_chunk::<8>() {
-            let word = u64::from_le_bytes(*chunk);
-            let ends = !word & 0x8080_8080_8080_8080;
-            if ends != 0 {
-                let length = (ends.trailing_zeros() / 8 + 1) as usize;
-                self.bytes = &self.bytes[length..];
-                return Ok(seven_bit_groups(word & (u64::MAX >> (64 - 8 * length))));
-            }
-        }
-        self.varint_bytewise()
-    }
-
-    /// [`Reader::varint`] one byte at a time: a varint of nine or ten
-    /// bytes, or one within eight bytes of the frame's end.
-    fn varint_bytewise(&mut self) -> Result<u64, FrameError> {
-        let mut value: u64 = 0;
-        for shift in (0..70).step_by(7) {
-            let byte = self.u8()?;
-            if shift == 63 && byte > 1 {
-                return Err(FrameError::Invalid("varint"));
-            }
-            value |= u64::from(byte & 0x7f) << shift;
-            if byte & 0x80 == 0 {
-                return Ok(value);
-            }
-        }
-        Err(FrameError::Invalid("varint"))
-    }
-
-    /// Reads eight bytes, little endian.
-    pub fn fixed_u64(&mut self) -> Result<u64, FrameError> {
-        let (word, rest) = self
-            .bytes
-            .split_first_chunk::<8>()
-            .ok_or(FrameError::Truncated)?;
-        self.bytes = rest;
-        Ok(u64::from_le_bytes(*word))
     }
 
     pub fn u32(&mut self) -> Result<u32, FrameError> {
@@ -804,27 +590,6 @@ impl RoundHeader {
     }
 }
 
-/// A round-answers section's header, as read.
-pub struct RoundAnswersHeader {
-    /// The incarnation of the node the answers are for.
-    pub boot: u64,
-    pub round: u64,
-    pub shard: u32,
-    pub count: u32,
-}
-
-impl RoundAnswersHeader {
-    pub fn read(reader: &mut Reader<'_>) -> Result<RoundAnswersHeader, FrameError> {
-        Ok(RoundAnswersHeader {
-            boot: reader.varint()?,
-            round: reader.varint()?,
-            shard: reader.u32()?,
-            // A batch, an index and a decision: 3 bytes at least.
-            count: reader.count(3)?,
-        })
-    }
-}
-
 /// Appends an ack section: every round up to `upto` of the leader's
 /// incarnation `boot` was applied, except the listed sections.
 pub fn put_ack(out: &mut Vec<u8>, boot: u64, upto: u64, refused: &[(u64, u32, ApplyRefusal)]) {
@@ -878,7 +643,11 @@ impl Ack {
     }
 }
 
+mod answers;
+mod varint;
 mod walk;
+pub use answers::{BatchAnswers, BatchAnswersHeader, BatchAnswersWriter, RoundAnswersHeader};
+pub use varint::put_varint;
 pub use walk::{skim_keys, validate, walk_keys};
 
 #[cfg(test)]

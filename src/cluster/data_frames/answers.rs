@@ -1,0 +1,129 @@
+//! The sections that answer forwarded hits, as written and read: a
+//! forwarded batch's answers given at once (`BATCH_ANSWERS`, peer protocol
+//! 2.2), and the header of the answers that ride with their round
+//! (`ROUND_ANSWERS`, 2.1). The older `ANSWERS` section is read by
+//! [`Reader::answers_into`].
+
+use super::{begin_counted_fields, end_counted, put_decision, put_varint, tag, FrameError, Reader};
+use super::{WireDecision, COUNT_ROOM_BYTES};
+
+/// A batch-answers section as it is written ([`tag::BATCH_ANSWERS`]): begun
+/// at the batch's first answer, one entry per answer, ended once the batch
+/// is read (until then its length is not filled in).
+pub struct BatchAnswersWriter {
+    /// Where the section begins.
+    start: usize,
+    /// Where the section's length goes.
+    length_at: usize,
+    /// The index the next entry would have with a gap of 0.
+    next_index: u32,
+    /// Entries written.
+    count: u32,
+}
+
+impl BatchAnswersWriter {
+    pub fn begin(out: &mut Vec<u8>, boot: u64, batch: u64) -> BatchAnswersWriter {
+        let start = out.len();
+        out.push(tag::BATCH_ANSWERS);
+        out.extend_from_slice(&boot.to_le_bytes());
+        BatchAnswersWriter {
+            start,
+            length_at: begin_counted_fields(out, &[batch]),
+            next_index: 0,
+            count: 0,
+        }
+    }
+
+    /// Appends the answer of the batch's op `index` (indexes rise from
+    /// entry to entry).
+    pub fn put(&mut self, out: &mut Vec<u8>, index: u32, decision: &WireDecision) {
+        put_varint(out, u64::from(index.saturating_sub(self.next_index)));
+        self.next_index = index.saturating_add(1);
+        self.count += 1;
+        put_decision(out, decision);
+    }
+
+    /// Fills in the section's length; returns how many entries it holds.
+    pub fn end(self, out: &mut [u8]) -> u32 {
+        let entries = out.len() - self.length_at - COUNT_ROOM_BYTES;
+        end_counted(out, self.length_at, entries as u32);
+        self.count
+    }
+
+    /// Drops the section, unfinished, from `out`.
+    pub fn abandon(self, out: &mut Vec<u8>) {
+        out.truncate(self.start);
+    }
+}
+
+/// A batch-answers section's header, as read ([`tag::BATCH_ANSWERS`]).
+pub struct BatchAnswersHeader<'a> {
+    /// The incarnation of the node the answers are for.
+    pub boot: u64,
+    pub batch: u64,
+    /// The entries, `(gap, decision)*`: read with [`BatchAnswers`].
+    pub entries: &'a [u8],
+}
+
+impl<'a> BatchAnswersHeader<'a> {
+    pub fn read(reader: &mut Reader<'a>) -> Result<BatchAnswersHeader<'a>, FrameError> {
+        Ok(BatchAnswersHeader {
+            boot: reader.fixed_u64()?,
+            batch: reader.varint()?,
+            entries: reader.bytes()?,
+        })
+    }
+}
+
+/// The entries of a batch-answers section, read one by one: the index of
+/// the batch's op each answers, and its decision.
+pub struct BatchAnswers<'a> {
+    reader: Reader<'a>,
+    next_index: u64,
+}
+
+impl<'a> BatchAnswers<'a> {
+    pub fn new(entries: &'a [u8]) -> BatchAnswers<'a> {
+        BatchAnswers {
+            reader: Reader::new(entries),
+            next_index: 0,
+        }
+    }
+
+    /// The next entry's op index, its decision read into `decision`;
+    /// `None` after the last entry.
+    #[inline(always)]
+    pub fn next_into(&mut self, decision: &mut WireDecision) -> Result<Option<u64>, FrameError> {
+        if self.reader.is_empty() {
+            return Ok(None);
+        }
+        let index = self
+            .next_index
+            .checked_add(self.reader.varint()?)
+            .ok_or(FrameError::Invalid("answer index"))?;
+        self.next_index = index.saturating_add(1);
+        self.reader.decision_into(decision)?;
+        Ok(Some(index))
+    }
+}
+
+/// A round-answers section's header, as read.
+pub struct RoundAnswersHeader {
+    /// The incarnation of the node the answers are for.
+    pub boot: u64,
+    pub round: u64,
+    pub shard: u32,
+    pub count: u32,
+}
+
+impl RoundAnswersHeader {
+    pub fn read(reader: &mut Reader<'_>) -> Result<RoundAnswersHeader, FrameError> {
+        Ok(RoundAnswersHeader {
+            boot: reader.varint()?,
+            round: reader.varint()?,
+            shard: reader.u32()?,
+            // A batch, an index and a decision: 3 bytes at least.
+            count: reader.count(3)?,
+        })
+    }
+}
