@@ -37,6 +37,7 @@ impl BatchAnswersWriter {
     /// Appends the answer of the batch's op `index` (indexes rise from
     /// entry to entry).
     pub fn put(&mut self, out: &mut Vec<u8>, index: u32, decision: &WireDecision) {
+        debug_assert!(index >= self.next_index, "answers in the batch's order");
         put_varint(out, u64::from(index.saturating_sub(self.next_index)));
         self.next_index = index.saturating_add(1);
         self.count += 1;
