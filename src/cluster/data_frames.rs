@@ -232,8 +232,7 @@ fn begin_counted_fields(out: &mut Vec<u8>, fields: &[u64]) -> usize {
         put_varint(out, field);
     }
     let at = out.len();
-    out.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x00]);
-    debug_assert_eq!(out.len() - at, COUNT_ROOM_BYTES);
+    out.extend_from_slice(&[0x80, 0x80, 0x80, 0x80, 0x00][..COUNT_ROOM_BYTES]);
     at
 }
 

@@ -91,10 +91,10 @@ impl<'a> BatchAnswers<'a> {
         }
     }
 
-    /// The next entry's op index, its decision read into `decision`;
-    /// `None` after the last entry.
+    /// The next entry: its op's index and its decision; `None` after the
+    /// last entry.
     #[inline(always)]
-    pub fn next_into(&mut self, decision: &mut WireDecision) -> Result<Option<u64>, FrameError> {
+    pub fn next_entry(&mut self) -> Result<Option<(u64, WireDecision)>, FrameError> {
         if self.reader.is_empty() {
             return Ok(None);
         }
@@ -103,8 +103,7 @@ impl<'a> BatchAnswers<'a> {
             .checked_add(self.reader.varint()?)
             .ok_or(FrameError::Invalid("answer index"))?;
         self.next_index = index.saturating_add(1);
-        self.reader.decision_into(decision)?;
-        Ok(Some(index))
+        Ok(Some((index, self.reader.decision()?)))
     }
 }
 

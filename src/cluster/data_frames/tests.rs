@@ -569,9 +569,8 @@ fn batch_answers_of(section: &[u8]) -> Result<ReadBack, FrameError> {
     assert!(reader.is_empty(), "the section ends with its entries");
     let mut answers = BatchAnswers::new(header.entries);
     let mut read = Vec::new();
-    let mut decision = WireDecision::Full { live_keys_max: 0 };
-    while let Some(index) = answers.next_into(&mut decision)? {
-        read.push((index, decision.clone()));
+    while let Some(entry) = answers.next_entry()? {
+        read.push(entry);
     }
     Ok((header.boot, header.batch, read))
 }

@@ -6,7 +6,7 @@
 
 use super::{
     tag, Ack, BatchAnswers, BatchAnswersHeader, FrameError, Reader, RoundAnswersHeader,
-    RoundHeader, WireDecision, BUCKET_OP_CODE,
+    RoundHeader, BUCKET_OP_CODE,
 };
 use crate::limiter::droplet_bucket::PERIOD_COUNT;
 
@@ -33,7 +33,6 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
                     }
                 }
             }
-
             tag::ANSWERS => {
                 reader.varint()?;
                 for _ in 0..reader.count(3)? {
@@ -45,8 +44,7 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
             tag::BATCH_ANSWERS => {
                 let header = BatchAnswersHeader::read(&mut reader)?;
                 let mut answers = BatchAnswers::new(header.entries);
-                let mut decision = WireDecision::Full { live_keys_max: 0 };
-                while answers.next_into(&mut decision)?.is_some() {}
+                while answers.next_entry()?.is_some() {}
             }
             tag::ROUND_ANSWERS => {
                 for _ in 0..RoundAnswersHeader::read(&mut reader)?.count {

@@ -130,16 +130,13 @@ impl SlotBoard {
         let mut inner = self.inner.lock();
         let mut filled = 0;
         let mut answers = BatchAnswers::new(entries);
-        let mut decision = WireDecision::Full { live_keys_max: 0 };
         let read = loop {
-            match answers.next_into(&mut decision) {
-                Ok(Some(index)) => {
+            match answers.next_entry() {
+                Ok(Some((index, decision))) => {
                     let Some(&slot) = usize::try_from(index).ok().and_then(|i| slots.get(i)) else {
                         continue;
                     };
-                    let answer =
-                        std::mem::replace(&mut decision, WireDecision::Full { live_keys_max: 0 });
-                    filled += u32::from(self.fill_slot(&mut inner.slots, slot, answer));
+                    filled += u32::from(self.fill_slot(&mut inner.slots, slot, decision));
                 }
                 Ok(None) => break Ok(()),
                 Err(error) => break Err(error),
