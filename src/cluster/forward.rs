@@ -342,7 +342,7 @@ impl ClusterBatch {
         self: Box<Self>,
         now: Instant,
         deadline: Instant,
-        as_wanted: AsWanted<T>,
+        as_wanted: impl AsWanted<T>,
     ) -> Option<BoxFuture<'static, Vec<T>>> {
         let ClusterBatch {
             dp,
@@ -431,11 +431,14 @@ fn decided(state: &LocalState, board: Option<&Arc<SlotBoard>>) -> DecidedState {
         shard: state.shard,
         term: state.term,
         state: state.state,
-        waiter: match (state.wait, board) {
+        // Matched by reference: a copy of the whole `wait` first (most
+        // often `None`, in fast mode always) was stored in two overlapping
+        // halves and read back whole, a store-forwarding stall per state.
+        waiter: match (&state.wait, board) {
             (Some((slot, decision)), Some(board)) => Some(Waiter::Local {
                 board: Arc::clone(board),
-                slot,
-                decision,
+                slot: *slot,
+                decision: *decision,
             }),
             _ => None,
         },
@@ -448,7 +451,7 @@ async fn wait_for_answers<T>(
     dp: Arc<DataPlane>,
     board: Arc<SlotBoard>,
     deadline: Instant,
-    as_wanted: AsWanted<T>,
+    as_wanted: impl AsWanted<T>,
 ) -> Vec<T> {
     let timeout_ms = dp.settings.forward_timeout_ms;
     loop {
@@ -482,8 +485,14 @@ async fn wait_for_answers<T>(
 
 /// How a batch's caller wants each slot's answer: as it is (droplet's
 /// buckets) or as a rule's hit ([`hit_result`]); applied as the answers are
-/// gathered, so no list is built twice.
-type AsWanted<T> = fn(Result<Answer, BackendError>) -> T;
+/// gathered, so no list is built twice. A function's own type, not a
+/// pointer, so that it is inlined there: called through a pointer, each
+/// answer came back through memory a field at a time and was read back
+/// whole, a store-forwarding stall per hit (docs/benchmarks.md,
+/// "Nineteenth round").
+trait AsWanted<T>: Fn(Result<Answer, BackendError>) -> T + Copy + Send + 'static {}
+
+impl<T, F> AsWanted<T> for F where F: Fn(Result<Answer, BackendError>) -> T + Copy + Send + 'static {}
 
 /// A slot's answer as a rule's hit gets it (a bucket's answer never
 /// reaches a hit's slot; it would read as its accept alone).

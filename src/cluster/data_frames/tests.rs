@@ -278,9 +278,14 @@ fn varints_round_trip_at_every_length_and_position() {
         // enough bytes for the eight-byte word; written after other bytes
         // and alone.
         for trailing in [0usize, 3, 12] {
+            // Into a buffer that must grow for it, and into one with room.
             let mut out = vec![0x55; trailing];
             put_varint(&mut out, value);
             assert_eq!(out[trailing..], reference, "{value:#x}");
+            let mut roomy = Vec::with_capacity(64);
+            roomy.resize(trailing, 0x55);
+            put_varint(&mut roomy, value);
+            assert_eq!(roomy[trailing..], reference, "{value:#x} with room");
             let mut out = Vec::new();
             put_varint(&mut out, value);
             let encoded = out.len();

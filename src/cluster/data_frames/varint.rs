@@ -19,18 +19,40 @@ pub fn put_varint(out: &mut Vec<u8>, value: u64) {
     put_long_varint(out, value);
 }
 
-/// [`put_varint`] of a value of more than one byte, out of line.
+/// [`put_varint`] of a value of more than one byte, out of line: two
+/// bytes (quotas, credits, counts: the most common) as they are, longer
+/// ones by the word. The word's length and masks cost a two-byte value
+/// some forty instructions more than its two bytes do.
 #[inline(never)]
 fn put_long_varint(out: &mut Vec<u8>, value: u64) {
-    if value < 1 << 56 {
-        let length = (64 - value.leading_zeros() as usize).div_ceil(7);
-        let continued = 0x8080_8080_8080_8080 & (u64::MAX >> (64 - 8 * (length - 1)));
-        let at = out.len();
-        out.extend_from_slice(&(spread_seven_bit_groups(value) | continued).to_le_bytes());
-        out.truncate(at + length);
+    // Every call out of here is a tail call (growing the buffer, the
+    // rare byte-at-a-time form), so the word path saves no registers.
+    if out.capacity() - out.len() < LONG_VARINT_BYTES_MAX {
+        return put_long_varint_growing(out, value);
+    }
+    if value < 1 << 14 {
+        out.extend_from_slice(&[value as u8 | 0x80, (value >> 7) as u8]);
         return;
     }
-    put_varint_bytewise(out, value);
+    if value >= 1 << 56 {
+        return put_varint_bytewise(out, value);
+    }
+    let length = (64 - value.leading_zeros() as usize).div_ceil(7);
+    let continued = 0x8080_8080_8080_8080 & (u64::MAX >> (64 - 8 * (length - 1)));
+    let at = out.len();
+    out.extend_from_slice(&(spread_seven_bit_groups(value) | continued).to_le_bytes());
+    out.truncate(at + length);
+}
+
+/// Most bytes a varint takes (a `u64`'s 64 bits, seven a byte).
+const LONG_VARINT_BYTES_MAX: usize = 10;
+
+/// [`put_long_varint`] into a buffer with no room for the longest varint.
+#[cold]
+#[inline(never)]
+fn put_long_varint_growing(out: &mut Vec<u8>, value: u64) {
+    out.reserve(LONG_VARINT_BYTES_MAX);
+    put_long_varint(out, value);
 }
 
 /// The inverse of [`seven_bit_groups`]: `value`'s (under 2^56) 7-bit
@@ -42,7 +64,10 @@ fn spread_seven_bit_groups(value: u64) -> u64 {
     (quads & 0x007f_007f_007f_007f) | ((quads & 0x3f80_3f80_3f80_3f80) << 1)
 }
 
-/// [`put_varint`] a byte at a time (values of 2^56 and up).
+/// [`put_varint`] a byte at a time (values of 2^56 and up: incarnations),
+/// kept out of the word path so that it needs no registers saved.
+#[cold]
+#[inline(never)]
 fn put_varint_bytewise(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         out.push((value as u8) | 0x80);
@@ -84,6 +109,11 @@ impl Reader<'_> {
     /// the rest of the frame per byte.
     #[inline(never)]
     fn long_varint(&mut self) -> Result<u64, FrameError> {
+        // Two bytes, the most common (see `put_long_varint`), as they are.
+        if let [first, second @ 0..0x80, rest @ ..] = self.bytes {
+            self.bytes = rest;
+            return Ok(u64::from(first & 0x7f) | u64::from(*second) << 7);
+        }
         if let Some(chunk) = self.bytes.first_chunk::<8>() {
             let word = u64::from_le_bytes(*chunk);
             let ends = !word & 0x8080_8080_8080_8080;

@@ -217,7 +217,7 @@ impl SlotBoard {
     /// Every slot's final answer, taken out of the board (its waiting is
     /// over: an answer filled later finds no slot); pending ones had no
     /// answer in time.
-    pub(super) fn finish<T>(&self, timeout_ms: u64, as_wanted: AsWanted<T>) -> Vec<T> {
+    pub(super) fn finish<T>(&self, timeout_ms: u64, as_wanted: impl AsWanted<T>) -> Vec<T> {
         let slots = std::mem::take(&mut self.inner.lock().slots);
         slots
             .into_iter()
