@@ -21,9 +21,9 @@
 
 mod inbound;
 
-use super::data_frames::{begin_counted, end_counted, put_op, tag, OpView};
+use super::data_frames::{put_op, OpView};
 use super::disk::NodeDisk;
-use super::forward::{ForwardWait, SlotBoard};
+use super::forward::{ForwardPart, ForwardWait, SlotBoard};
 pub use super::outbox::PeerOut;
 use super::placement::Placement;
 use super::replica::Replica;
@@ -372,35 +372,41 @@ impl DataPlane {
             out.wake.notify_one(); // let the link try to connect
             return Err(slots);
         }
-        let batch = self.next_batch.fetch_add(1, Ordering::Relaxed);
         let count = slots.len() as u32;
         // Register before the frame can leave, so that no answer is missed.
         let mut forwards = self.forwards.lock();
-        let frame = out.append(|body| {
-            let at = begin_counted(body, tag::FORWARD, &[batch]);
-            for op in ops {
-                body.extend_from_slice(op);
-            }
-            end_counted(body, at, count);
-        });
-        let Some(frame) = frame else {
+        let placed = out.append_forward(
+            || self.next_batch.fetch_add(1, Ordering::Relaxed),
+            |batch| forwards.contains_key(&batch),
+            count,
+            ops,
+        );
+        let Some(placed) = placed else {
             return Err(slots);
         };
-        forwards.insert(
-            batch,
-            ForwardWait {
-                peer,
-                board: Arc::clone(board),
-                slots,
-                answered: 0,
-                frame,
-                sent_at: now,
-            },
-        );
+        let part = ForwardPart {
+            board: Arc::clone(board),
+            first: placed.first,
+            slots,
+        };
+        match forwards.get_mut(&placed.batch) {
+            Some(wait) if placed.joined => wait.join(part),
+            _ => {
+                forwards.insert(
+                    placed.batch,
+                    ForwardWait::new(peer, part, placed.frame, now),
+                );
+            }
+        }
         drop(forwards);
         DataStats::add(&self.stats.forward_batches, 1);
         DataStats::add(&self.stats.forwarded_ops, u64::from(count));
-        out.wake.notify_one();
+        // A forward that joined an open section was preceded by one that
+        // opened it and wakes the link after it, and the link has not taken
+        // the frame yet (taking it closes the section).
+        if !placed.joined {
+            out.wake.notify_one();
+        }
         Ok(())
     }
 

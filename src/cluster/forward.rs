@@ -31,7 +31,7 @@ pub const RETRY_PAUSE_MS: u64 = 25;
 
 mod board;
 use board::{result_of, Slot, SlotAnswer};
-pub use board::{ForwardWait, SlotBoard};
+pub use board::{ForwardPart, ForwardWait, SlotBoard};
 
 /// How [`ClusterBatch::route`] left an op.
 enum Routed {

@@ -4,7 +4,7 @@
 //! being read) append encoded sections; the peer's link takes everything
 //! appended so far as one frame whenever it wakes (see `links.rs`).
 
-use super::data_frames::{put_ack, tag, DATA_FRAME_ID};
+use super::data_frames::{begin_counted, end_counted, put_ack, tag, DATA_FRAME_ID};
 use super::wire::ApplyRefusal;
 use super::NodeId;
 use parking_lot::Mutex;
@@ -28,6 +28,40 @@ struct OutInner {
     ack_upto: u64,
     ack_refused: Vec<(u64, u32, ApplyRefusal)>,
     ack_dirty: bool,
+    /// The `FORWARD` section at the end of `body`, which later forwards
+    /// join while nothing else is appended after it.
+    open_forward: Option<OpenForward>,
+}
+
+/// A `FORWARD` section still open for more ops (see [`PeerOut::append_forward`]).
+#[derive(Clone, Copy)]
+struct OpenForward {
+    batch: u64,
+    /// Where its count's room is in the body.
+    count_at: usize,
+    count: u32,
+    /// The body's length when its last op was appended: it is still open
+    /// while the body ends there.
+    end: usize,
+}
+
+/// Most ops one `FORWARD` section carries: the leader decides a section's
+/// ops and writes their answers in one go, and a forward joins an open
+/// section only below this.
+pub const FORWARD_SECTION_OPS_MAX: u32 = 1024;
+
+/// Where [`PeerOut::append_forward`] put a batch's ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardPlaced {
+    /// The section's batch id.
+    pub batch: u64,
+    /// The index of the first of the ops in the section.
+    pub first: u32,
+    /// Whether they joined a section opened by an earlier forward (whose
+    /// appender woke the link already).
+    pub joined: bool,
+    /// The frame they will go in.
+    pub frame: u64,
 }
 
 impl OutInner {
@@ -68,6 +102,7 @@ impl PeerOut {
                 ack_upto: 0,
                 ack_refused: Vec::new(),
                 ack_dirty: false,
+                open_forward: None,
             }),
             wake: Notify::new(),
             connected: AtomicBool::new(false),
@@ -125,6 +160,60 @@ impl PeerOut {
         Some(self.taken.load(Ordering::Acquire) + 1)
     }
 
+    /// Appends `count` encoded ops forwarded to the peer (see
+    /// [`ForwardPlaced`]): to the `FORWARD` section at the body's end when
+    /// there is one, `may_join` accepts its batch and it has room for them,
+    /// else in a new section of batch `new_batch()`. `None` when the outbox
+    /// is full.
+    pub fn append_forward<'a>(
+        &self,
+        new_batch: impl FnOnce() -> u64,
+        may_join: impl FnOnce(u64) -> bool,
+        count: u32,
+        ops: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<ForwardPlaced> {
+        let mut inner = self.inner.lock();
+        if inner.body.len() > OUTBOX_BYTES_MAX {
+            return None;
+        }
+        let frame = self.taken.load(Ordering::Acquire) + 1;
+        let open = inner.open_forward.filter(|open| {
+            open.end == inner.body.len()
+                && open.count.saturating_add(count) <= FORWARD_SECTION_OPS_MAX
+                && may_join(open.batch)
+        });
+        let inner = &mut *inner;
+        let body = &mut inner.body;
+        let (mut section, joined) = match open {
+            Some(open) => (open, true),
+            None => {
+                let batch = new_batch();
+                let count_at = begin_counted(body, tag::FORWARD, &[batch]);
+                let section = OpenForward {
+                    batch,
+                    count_at,
+                    count: 0,
+                    end: 0,
+                };
+                (section, false)
+            }
+        };
+        let first = section.count;
+        for op in ops {
+            body.extend_from_slice(op);
+        }
+        section.count += count;
+        end_counted(body, section.count_at, section.count);
+        section.end = body.len();
+        inner.open_forward = Some(section);
+        Some(ForwardPlaced {
+            batch: section.batch,
+            first,
+            joined,
+            frame,
+        })
+    }
+
     /// Records that the rounds up to `round` of the peer's incarnation
     /// `boot` were applied here, except the sections `refused` lists
     /// (`(round, shard, why)`). Rounds of an older incarnation than one
@@ -163,6 +252,7 @@ impl PeerOut {
         next.clear();
         next.resize(FRAME_HEADER_BYTES, 0);
         let mut frame = std::mem::replace(&mut inner.body, next);
+        inner.open_forward = None;
         self.taken.fetch_add(1, Ordering::AcqRel);
         drop(inner);
         let length = (frame.len() - 4) as u32;
@@ -192,6 +282,7 @@ impl PeerOut {
     pub fn reset(&self) -> u64 {
         let mut inner = self.inner.lock();
         inner.body.truncate(FRAME_HEADER_BYTES);
+        inner.open_forward = None;
         inner.ack_dirty = false;
         inner.ack_refused.clear();
         self.taken.load(Ordering::Acquire)
@@ -201,13 +292,110 @@ impl PeerOut {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::data_frames::{Ack, Reader};
+    use crate::cluster::data_frames::{put_op, Ack, OpView, Reader};
 
     fn ack_in(frame: &[u8]) -> (u64, u64) {
         let mut reader = Reader::new(&frame[FRAME_HEADER_BYTES..]);
         assert_eq!(reader.u8().unwrap(), tag::ACK);
         let ack = Ack::read(&mut reader).unwrap();
         (ack.boot, ack.upto)
+    }
+
+    /// The sections of a frame: each `FORWARD` as `(batch, its ops)`, a
+    /// `BEAT` as `(0, [])`.
+    fn forwards_in(frame: &[u8]) -> Vec<(u64, Vec<Vec<u8>>)> {
+        let mut reader = Reader::new(&frame[FRAME_HEADER_BYTES..]);
+        let mut sections = Vec::new();
+        while !reader.is_empty() {
+            match reader.u8().unwrap() {
+                tag::FORWARD => {
+                    let batch = reader.varint().unwrap();
+                    let count = reader.count(4).unwrap();
+                    let ops = (0..count)
+                        .map(|_| {
+                            let op = reader.op().unwrap();
+                            let mut bytes = Vec::new();
+                            put_op(&mut bytes, &op);
+                            bytes
+                        })
+                        .collect();
+                    sections.push((batch, ops));
+                }
+                tag::BEAT => sections.push((0, Vec::new())),
+                other => panic!("unexpected section {other}"),
+            }
+        }
+        sections
+    }
+
+    fn op(key: &str) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        let view = OpView {
+            key: key.as_bytes(),
+            algorithm: crate::rules::Algorithm::FixedWindow,
+            credit_limit: 10,
+            reset_seconds: 60,
+            peek: false,
+            bucket: None,
+        };
+        put_op(&mut bytes, &view);
+        bytes
+    }
+
+    #[test]
+    fn forwards_join_the_open_section_until_something_else_follows_or_the_frame_leaves() {
+        let out = PeerOut::new(2, Instant::now());
+        let mut next = 10;
+        let mut forward = |keys: &[&str], may_join: bool| {
+            let ops: Vec<Vec<u8>> = keys.iter().map(|k| op(k)).collect();
+            let batch = || {
+                next += 1;
+                next
+            };
+            out.append_forward(
+                batch,
+                |_| may_join,
+                ops.len() as u32,
+                ops.iter().map(Vec::as_slice),
+            )
+            .unwrap()
+        };
+        let placed = |batch, first, joined| ForwardPlaced {
+            batch,
+            first,
+            joined,
+            frame: 1,
+        };
+        assert_eq!(forward(&["a", "b"], true), placed(11, 0, false));
+        assert_eq!(forward(&["c"], true), placed(11, 2, true));
+        // The wait of section 11 is gone (say, failed): a new section.
+        assert_eq!(forward(&["d"], false), placed(12, 0, false));
+        // Another section after it closes it.
+        out.append(|body| body.push(tag::BEAT));
+        assert_eq!(forward(&["e"], true), placed(13, 0, false));
+        assert_eq!(
+            forwards_in(&out.take_frame().unwrap()),
+            [
+                (11, vec![op("a"), op("b"), op("c")]),
+                (12, vec![op("d")]),
+                (0, vec![]),
+                (13, vec![op("e")]),
+            ]
+        );
+        // The frame left: the next forward opens a section in the next one.
+        let first = forward(&["f"], true);
+        assert_eq!((first.batch, first.joined, first.frame), (14, false, 2));
+        // A full section takes no more.
+        let many: Vec<String> = (0..FORWARD_SECTION_OPS_MAX - 1)
+            .map(|i| i.to_string())
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(forward(&many, true).joined);
+        assert!(!forward(&["g"], true).joined);
+        let sections = forwards_in(&out.take_frame().unwrap());
+        assert_eq!(sections.len(), 2);
+        assert_eq!(sections[0].1.len() as u32, FORWARD_SECTION_OPS_MAX);
+        assert_eq!(sections[1], (15, vec![op("g")]));
     }
 
     #[test]

@@ -81,6 +81,8 @@ impl<'a> BatchAnswersHeader<'a> {
 pub struct BatchAnswers<'a> {
     reader: Reader<'a>,
     next_index: u64,
+    /// The index of the entry whose decision is next, once read.
+    peeked: Option<u64>,
 }
 
 impl<'a> BatchAnswers<'a> {
@@ -88,6 +90,7 @@ impl<'a> BatchAnswers<'a> {
         BatchAnswers {
             reader: Reader::new(entries),
             next_index: 0,
+            peeked: None,
         }
     }
 
@@ -95,15 +98,36 @@ impl<'a> BatchAnswers<'a> {
     /// last entry.
     #[inline(always)]
     pub fn next_entry(&mut self) -> Result<Option<(u64, WireDecision)>, FrameError> {
-        if self.reader.is_empty() {
+        let Some(index) = self.peek_index()? else {
             return Ok(None);
+        };
+        Ok(Some((index, self.take_decision()?)))
+    }
+
+    /// The op index of the next entry, its decision not read yet (see
+    /// [`BatchAnswers::take_decision`]); `None` after the last entry.
+    /// Indices only grow within a section.
+    #[inline(always)]
+    pub fn peek_index(&mut self) -> Result<Option<u64>, FrameError> {
+        if self.peeked.is_none() && !self.reader.is_empty() {
+            let index = self
+                .next_index
+                .checked_add(self.reader.varint()?)
+                .ok_or(FrameError::Invalid("answer index"))?;
+            self.next_index = index.saturating_add(1);
+            self.peeked = Some(index);
         }
-        let index = self
-            .next_index
-            .checked_add(self.reader.varint()?)
-            .ok_or(FrameError::Invalid("answer index"))?;
-        self.next_index = index.saturating_add(1);
-        Ok(Some((index, self.reader.decision()?)))
+        Ok(self.peeked)
+    }
+
+    /// The decision of the entry [`BatchAnswers::peek_index`] gave the
+    /// index of; an error if it gave none.
+    #[inline(always)]
+    pub fn take_decision(&mut self) -> Result<WireDecision, FrameError> {
+        if self.peeked.take().is_none() {
+            return Err(FrameError::Invalid("answer without its index"));
+        }
+        self.reader.decision()
     }
 }
 

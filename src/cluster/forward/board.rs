@@ -122,25 +122,42 @@ impl SlotBoard {
     }
 
     /// Answers pending slots from a batch-answers section's entries
-    /// (`data_frames::tag::BATCH_ANSWERS`), `slots` giving the board slot of
-    /// each of the batch's ops: under one lock, each decision decoded as it
-    /// is filled in. Returns how many slots it answered; on a malformed
-    /// entry, the entries before it are answered and the error returned.
-    pub fn fill_entries(&self, slots: &[u32], entries: &[u8]) -> Result<u32, FrameError> {
+    /// (`data_frames::tag::BATCH_ANSWERS`) while they answer this board's
+    /// ops: the section's ops `first..first + slots.len()`, `slots` giving
+    /// the board slot of each. Under one lock, each decision decoded as it
+    /// is filled in; stops at the first entry past those ops (another
+    /// board's), left unread. Returns how many slots it answered; on a
+    /// malformed entry, the entries before it are answered and the error
+    /// returned.
+    pub fn fill_entries(
+        &self,
+        slots: &[u32],
+        first: u64,
+        answers: &mut BatchAnswers<'_>,
+    ) -> Result<u32, FrameError> {
         let mut inner = self.inner.lock();
         let mut filled = 0;
-        let mut answers = BatchAnswers::new(entries);
+        let end = first + slots.len() as u64;
         let read = loop {
-            match answers.next_entry() {
-                Ok(Some((index, decision))) => {
-                    let Some(&slot) = usize::try_from(index).ok().and_then(|i| slots.get(i)) else {
-                        continue;
-                    };
-                    filled += u32::from(self.fill_slot(&mut inner.slots, slot, decision));
-                }
-                Ok(None) => break Ok(()),
+            match answers.peek_index() {
+                Ok(Some(index)) if index < end => {}
+                Ok(_) => break Ok(()),
                 Err(error) => break Err(error),
             }
+            let (index, decision) = match answers.next_entry() {
+                Ok(Some(entry)) => entry,
+                Ok(None) => break Ok(()),
+                Err(error) => break Err(error),
+            };
+            // Indices only grow, so one before `first` is no op of a
+            // section's board (it was stepped over before this one).
+            let Some(&slot) = index
+                .checked_sub(first)
+                .and_then(|at| slots.get(at as usize))
+            else {
+                continue;
+            };
+            filled += u32::from(self.fill_slot(&mut inner.slots, slot, decision));
         };
         drop(inner);
         self.count_filled(filled);
@@ -256,45 +273,118 @@ impl Future for Settled<'_> {
     }
 }
 
-/// A batch forwarded to a peer, waiting for its answers.
+/// The ops one read batch put in a forwarded section: its board, and the
+/// board slot of each op, which are the section's ops `first..` on.
+pub struct ForwardPart {
+    pub board: Arc<SlotBoard>,
+    pub first: u32,
+    pub slots: SmallVec<[u32; 16]>,
+}
+
+impl ForwardPart {
+    fn end(&self) -> u64 {
+        u64::from(self.first) + self.slots.len() as u64
+    }
+}
+
+/// A `FORWARD` section sent to a peer, waiting for its answers: the ops of
+/// every read batch that joined it (a section is extended by the batches a
+/// node forwards to the peer until its link takes the frame, so one
+/// section, one entry here and one answers section serve them all).
 pub struct ForwardWait {
     pub peer: NodeId,
-    pub board: Arc<SlotBoard>,
-    /// The board slot of each op of the batch, in order.
-    pub slots: SmallVec<[u32; 16]>,
+    /// In op order, each starting where the one before ends.
+    parts: SmallVec<[ForwardPart; 1]>,
     pub answered: u32,
-    /// The outbox frame the batch went in (see `PeerOut`).
+    /// The outbox frame the section went in (see `PeerOut`).
     pub frame: u64,
     pub sent_at: Instant,
 }
 
 impl ForwardWait {
-    /// Answers ops of the batch (by index); says whether every op is
-    /// answered now.
-    pub fn answer_many(&mut self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> bool {
-        let slots = &self.slots;
-        // Only answers that filled a pending slot count (see
-        // `SlotBoard::fill_slot`).
-        self.answered += self.board.fill_many(
-            answers
-                .into_iter()
-                .filter_map(|(index, decision)| Some((*slots.get(index as usize)?, decision))),
-        );
-        self.answered as usize >= self.slots.len()
+    pub fn new(peer: NodeId, part: ForwardPart, frame: u64, sent_at: Instant) -> ForwardWait {
+        ForwardWait {
+            peer,
+            parts: SmallVec::from_buf([part]),
+            answered: 0,
+            frame,
+            sent_at,
+        }
     }
 
-    /// Answers ops of the batch from a batch-answers section's entries
-    /// (see [`SlotBoard::fill_entries`]); says whether every op is answered
-    /// now.
+    /// Ops in the section so far.
+    pub fn ops(&self) -> u32 {
+        self.parts.last().map_or(0, |last| last.end() as u32)
+    }
+
+    /// Adds a read batch's ops, appended to the section after its others.
+    pub fn join(&mut self, part: ForwardPart) {
+        debug_assert_eq!(
+            part.first,
+            self.ops(),
+            "a part starts where the section ended"
+        );
+        self.parts.push(part);
+    }
+
+    /// The part holding op `index`.
+    fn part_of(&self, index: u64) -> Option<&ForwardPart> {
+        let after = self
+            .parts
+            .partition_point(|part| u64::from(part.first) <= index);
+        let part = self.parts.get(after.checked_sub(1)?)?;
+        (index < part.end()).then_some(part)
+    }
+
+    /// Answers ops of the section (by index, in increasing order: a run of
+    /// one part's ops fills its board under one lock); says whether every
+    /// op is answered now.
+    pub fn answer_many(&mut self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> bool {
+        let mut answers = answers.into_iter().peekable();
+        while let Some(&(index, _)) = answers.peek() {
+            let Some(part) = self.part_of(u64::from(index)) else {
+                answers.next();
+                continue;
+            };
+            let (first, end) = (u64::from(part.first), part.end());
+            let run = std::iter::from_fn(|| {
+                answers.next_if(|(index, _)| (first..end).contains(&u64::from(*index)))
+            });
+            let slots = &part.slots;
+            // Only answers that filled a pending slot count (see
+            // `SlotBoard::fill_slot`).
+            let filled =
+                part.board.fill_many(run.map(|(index, decision)| {
+                    (slots[(u64::from(index) - first) as usize], decision)
+                }));
+            self.answered += filled;
+        }
+        self.answered >= self.ops()
+    }
+
+    /// Answers ops of the section from a batch-answers section's entries
+    /// (see [`SlotBoard::fill_entries`]), a board at a time; says whether
+    /// every op is answered now.
     pub fn answer_entries(&mut self, entries: &[u8]) -> Result<bool, FrameError> {
-        self.answered += self.board.fill_entries(&self.slots, entries)?;
-        Ok(self.answered as usize >= self.slots.len())
+        let mut answers = BatchAnswers::new(entries);
+        while let Some(index) = answers.peek_index()? {
+            let Some(part) = self.part_of(index) else {
+                answers.take_decision()?;
+                continue;
+            };
+            let filled =
+                part.board
+                    .fill_entries(&part.slots, u64::from(part.first), &mut answers)?;
+            self.answered += filled;
+        }
+        Ok(self.answered >= self.ops())
     }
 
     /// Answers every op still waiting.
     pub fn fail(self, decision: WireDecision) {
-        for &slot in &self.slots {
-            self.board.fill(slot, decision.clone());
+        for part in &self.parts {
+            part.board
+                .fill_many(part.slots.iter().map(|&slot| (slot, decision.clone())));
         }
     }
 }
@@ -343,14 +433,7 @@ mod tests {
             Vec::new(),
         ));
         board.fill(1, decided(1));
-        let mut wait = ForwardWait {
-            peer: 2,
-            board: Arc::clone(&board),
-            slots: SmallVec::from_slice(&[3, 0, 2]),
-            answered: 0,
-            frame: 1,
-            sent_at: Instant::now(),
-        };
+        let mut wait = ForwardWait::new(2, part(&board, 0, &[3, 0, 2]), 1, Instant::now());
         // Op 1, then op 9 (no such op: ignored).
         let first = entries(&[(1, decided(10)), (9, decided(90))]);
         assert_eq!(wait.answer_entries(&first), Ok(false));
@@ -387,12 +470,77 @@ mod tests {
         );
     }
 
+    fn part(board: &Arc<SlotBoard>, first: u32, slots: &[u32]) -> ForwardPart {
+        ForwardPart {
+            board: Arc::clone(board),
+            first,
+            slots: SmallVec::from_slice(slots),
+        }
+    }
+
+    fn credits(board: &SlotBoard) -> Vec<Option<i64>> {
+        board.finish(100, |answer| match answer {
+            Ok(Answer::Hit(decision)) => Some(decision.credit),
+            _ => None,
+        })
+    }
+
     #[test]
     fn a_malformed_entry_keeps_the_answers_before_it() {
         let board = Arc::new(SlotBoard::new(vec![pending(1), pending(1)], Vec::new()));
         let mut bytes = entries(&[(0, decided(4)), (1, decided(5))]);
         bytes.truncate(bytes.len() - 1);
-        assert!(board.fill_entries(&[0, 1], &bytes).is_err());
+        let mut answers = BatchAnswers::new(&bytes);
+        assert!(board.fill_entries(&[0, 1], 0, &mut answers).is_err());
         assert_eq!(board.pending.load(Ordering::Acquire), 1);
+    }
+
+    #[test]
+    fn a_section_joined_by_three_batches_answers_each_board_its_own_ops() {
+        // Three read batches forwarded to one peer before its link took
+        // the frame: one section of six ops, 0-1 from the first board
+        // (its slots 1, 0), 2 from the second (slot 0), 3-5 from the third
+        // (slots 2, 0, 1).
+        let boards: Vec<Arc<SlotBoard>> = [2, 1, 3]
+            .iter()
+            .map(|&n| Arc::new(SlotBoard::new(vec![pending(4); n], Vec::new())))
+            .collect();
+        let mut wait = ForwardWait::new(3, part(&boards[0], 0, &[1, 0]), 1, Instant::now());
+        wait.join(part(&boards[1], 2, &[0]));
+        wait.join(part(&boards[2], 3, &[2, 0, 1]));
+        assert_eq!(wait.ops(), 6);
+        // One answers section spanning the first two boards and the third's
+        // first op, then the third's others in old peers' form (`ANSWERS`:
+        // each answer with its index; op 9 is no op of the section).
+        let first = entries(&[
+            (0, decided(100)),
+            (1, decided(101)),
+            (2, decided(102)),
+            (3, decided(103)),
+        ]);
+        assert_eq!(wait.answer_entries(&first), Ok(false));
+        assert_eq!(wait.answered, 4);
+        assert_eq!(boards[0].pending.load(Ordering::Acquire), 0);
+        assert_eq!(boards[1].pending.load(Ordering::Acquire), 0);
+        assert_eq!(boards[2].pending.load(Ordering::Acquire), 2);
+        let rest = [(4, decided(104)), (5, decided(105)), (9, decided(109))];
+        assert!(wait.answer_many(rest));
+        assert_eq!(wait.answered, 6);
+        assert_eq!(credits(&boards[0]), [Some(101), Some(100)]);
+        assert_eq!(credits(&boards[1]), [Some(102)]);
+        assert_eq!(credits(&boards[2]), [Some(104), Some(105), Some(103)]);
+    }
+
+    #[test]
+    fn a_failed_section_answers_every_board() {
+        let boards: Vec<Arc<SlotBoard>> = (0..2)
+            .map(|_| Arc::new(SlotBoard::new(vec![pending(4); 2], Vec::new())))
+            .collect();
+        let mut wait = ForwardWait::new(3, part(&boards[0], 0, &[0, 1]), 1, Instant::now());
+        wait.join(part(&boards[1], 2, &[1, 0]));
+        wait.fail(decided(7));
+        for board in &boards {
+            assert_eq!(credits(board), [Some(7), Some(7)]);
+        }
     }
 }
