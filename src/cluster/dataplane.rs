@@ -349,65 +349,89 @@ impl DataPlane {
         }
     }
 
-    /// Sends a batch of ops to `peer`, the leader of their shards; their
-    /// answers fill `slots` of `board`. Gives `slots` back (nothing sent)
-    /// when the peer is unreachable or its outbox full.
-    pub fn send_forward<'a>(
+    /// Sends a read batch's ops to the leaders of their shards: for each
+    /// `(peer, slots, ops)`, the ops whose answers fill `slots` of `board`,
+    /// into the peer's open `FORWARD` section or a new one (see
+    /// [`PeerOut::append_forward`]). The batch's peers share one look-up of
+    /// the outboxes and one lock of the waits. Slots of a peer unreachable
+    /// or whose outbox is full go to `unsent` (nothing was sent for them).
+    pub fn send_forwards<'a, Ops: Iterator<Item = &'a [u8]>>(
         &self,
         now: Instant,
-        peer: NodeId,
         board: &Arc<SlotBoard>,
-        slots: SmallVec<[u32; 16]>,
-        ops: impl Iterator<Item = &'a [u8]>,
-    ) -> Result<(), SmallVec<[u32; 16]>> {
-        // The outbox is borrowed from the table while the batch goes in
-        // (a peer's outbox is made once and kept: no count touched per send).
+        forwards: impl IntoIterator<Item = (NodeId, SmallVec<[u32; 16]>, Ops)>,
+        mut unsent: impl FnMut(NodeId, SmallVec<[u32; 16]>),
+    ) {
+        let (mut batches, mut sent_ops) = (0u64, 0u64);
+        let mut wake: SmallVec<[NodeId; 4]> = SmallVec::new();
+        let mut unknown: SmallVec<[NodeId; 2]> = SmallVec::new();
+        // Outboxes are borrowed from the table while the ops go in (a
+        // peer's outbox is made once and kept: no count touched per send);
+        // the waits are registered before a frame can leave, so that no
+        // answer is missed.
         let outs = self.outs.read();
-        let Some(out) = outs.get(&peer) else {
-            drop(outs);
-            self.out(peer).wake.notify_one(); // made now: let the link connect
-            return Err(slots);
-        };
-        if !out.connected() {
-            out.wake.notify_one(); // let the link try to connect
-            return Err(slots);
-        }
-        let count = slots.len() as u32;
-        // Register before the frame can leave, so that no answer is missed.
-        let mut forwards = self.forwards.lock();
-        let placed = out.append_forward(
-            || self.next_batch.fetch_add(1, Ordering::Relaxed),
-            |batch| forwards.contains_key(&batch),
-            count,
-            ops,
-        );
-        let Some(placed) = placed else {
-            return Err(slots);
-        };
-        let part = ForwardPart {
-            board: Arc::clone(board),
-            first: placed.first,
-            slots,
-        };
-        match forwards.get_mut(&placed.batch) {
-            Some(wait) if placed.joined => wait.join(part),
-            _ => {
-                forwards.insert(
-                    placed.batch,
-                    ForwardWait::new(peer, part, placed.frame, now),
+        {
+            let mut waits = self.forwards.lock();
+            for (peer, slots, ops) in forwards {
+                let Some(out) = outs.get(&peer) else {
+                    unknown.push(peer);
+                    unsent(peer, slots);
+                    continue;
+                };
+                if !out.connected() {
+                    wake.push(peer); // let the link try to connect
+                    unsent(peer, slots);
+                    continue;
+                }
+                let count = slots.len() as u32;
+                let placed = out.append_forward(
+                    || self.next_batch.fetch_add(1, Ordering::Relaxed),
+                    |batch| waits.contains_key(&batch),
+                    count,
+                    ops,
                 );
+                let Some(placed) = placed else {
+                    unsent(peer, slots);
+                    continue;
+                };
+                let part = ForwardPart {
+                    board: Arc::clone(board),
+                    first: placed.first,
+                    slots,
+                };
+                match waits.get_mut(&placed.batch) {
+                    Some(wait) if placed.joined => wait.join(part),
+                    _ => {
+                        waits.insert(
+                            placed.batch,
+                            ForwardWait::new(peer, part, placed.frame, now),
+                        );
+                    }
+                }
+                batches += 1;
+                sent_ops += u64::from(count);
+                // A forward that joined an open section was preceded by
+                // one that opened it and wakes the link after it, and the
+                // link has not taken the frame yet (taking it closes the
+                // section).
+                if !placed.joined {
+                    wake.push(peer);
+                }
             }
         }
-        drop(forwards);
-        DataStats::add(&self.stats.forward_batches, 1);
-        DataStats::add(&self.stats.forwarded_ops, u64::from(count));
-        // A forward that joined an open section was preceded by one that
-        // opened it and wakes the link after it, and the link has not taken
-        // the frame yet (taking it closes the section).
-        if !placed.joined {
-            out.wake.notify_one();
+        for peer in wake {
+            if let Some(out) = outs.get(&peer) {
+                out.wake.notify_one();
+            }
         }
-        Ok(())
+        drop(outs);
+        for peer in unknown {
+            self.out(peer).wake.notify_one(); // made now: let the link connect
+        }
+        if batches > 0 {
+            DataStats::add(&self.stats.forward_batches, batches);
+            DataStats::add(&self.stats.forwarded_ops, sent_ops);
+        }
     }
 
     /// Answers forwarded waits older than the forward timeout (their

@@ -389,28 +389,20 @@ impl ClusterBatch {
             key_buf,
         }
         .keep();
-        for forward in forwards {
+        let sends = forwards.into_iter().map(|forward| {
             let op_bytes = forward
                 .ops_at
-                .iter()
-                .map(|&(start, end)| &ops[start as usize..end as usize]);
-            if let Err(slots) = dp.send_forward(now, forward.peer, &board, forward.slots, op_bytes)
-            {
-                let why = ShardRefusal::Other(format!(
-                    "forwarding to node {}: not connected",
-                    forward.peer
-                ));
-                for slot in slots {
-                    board.fill(
-                        slot,
-                        WireDecision::Retry {
-                            shard: 0,
-                            why: why.clone(),
-                        },
-                    );
-                }
-            }
-        }
+                .into_iter()
+                .map(|(start, end)| &ops[start as usize..end as usize]);
+            (forward.peer, forward.slots, op_bytes)
+        });
+        dp.send_forwards(now, &board, sends, |peer, slots| {
+            let why = ShardRefusal::Other(format!("forwarding to node {peer}: not connected"));
+            board.fill_many(slots.into_iter().map(|slot| {
+                let why = why.clone();
+                (slot, WireDecision::Retry { shard: 0, why })
+            }));
+        });
         board.keep_ops(ops);
         Some(Box::pin(wait_for_answers(dp, board, deadline, as_wanted)))
     }
