@@ -354,13 +354,14 @@ impl DataPlane {
     /// into the peer's open `FORWARD` section or a new one (see
     /// [`PeerOut::append_forward`]). The batch's peers share one look-up of
     /// the outboxes and one lock of the waits. Slots of a peer unreachable
-    /// or whose outbox is full go to `unsent` (nothing was sent for them).
+    /// or whose outbox is full go to `unsent`, with why (nothing was sent
+    /// for them).
     pub fn send_forwards<'a, Ops: Iterator<Item = &'a [u8]>>(
         &self,
         now: Instant,
         board: &Arc<SlotBoard>,
         forwards: impl IntoIterator<Item = (NodeId, SmallVec<[u32; 16]>, Ops)>,
-        mut unsent: impl FnMut(NodeId, SmallVec<[u32; 16]>),
+        mut unsent: impl FnMut(NodeId, SmallVec<[u32; 16]>, &'static str),
     ) {
         let (mut batches, mut sent_ops) = (0u64, 0u64);
         let mut wake: SmallVec<[NodeId; 4]> = SmallVec::new();
@@ -375,12 +376,12 @@ impl DataPlane {
             for (peer, slots, ops) in forwards {
                 let Some(out) = outs.get(&peer) else {
                     unknown.push(peer);
-                    unsent(peer, slots);
+                    unsent(peer, slots, "not connected");
                     continue;
                 };
                 if !out.connected() {
                     wake.push(peer); // let the link try to connect
-                    unsent(peer, slots);
+                    unsent(peer, slots, "not connected");
                     continue;
                 }
                 let count = slots.len() as u32;
@@ -391,7 +392,11 @@ impl DataPlane {
                     ops,
                 );
                 let Some(placed) = placed else {
-                    unsent(peer, slots);
+                    unsent(
+                        peer,
+                        slots,
+                        "its outbox is full (the peer is not keeping up)",
+                    );
                     continue;
                 };
                 let part = ForwardPart {

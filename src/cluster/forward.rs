@@ -396,8 +396,8 @@ impl ClusterBatch {
                 .map(|(start, end)| &ops[start as usize..end as usize]);
             (forward.peer, forward.slots, op_bytes)
         });
-        dp.send_forwards(now, &board, sends, |peer, slots| {
-            let why = ShardRefusal::Other(format!("forwarding to node {peer}: not connected"));
+        dp.send_forwards(now, &board, sends, |peer, slots, why| {
+            let why = ShardRefusal::Other(format!("forwarding to node {peer}: {why}"));
             board.fill_many(slots.into_iter().map(|slot| {
                 let why = why.clone();
                 (slot, WireDecision::Retry { shard: 0, why })

@@ -149,8 +149,8 @@ impl SlotBoard {
                 Ok(None) => break Ok(()),
                 Err(error) => break Err(error),
             };
-            // Indices only grow, so one before `first` is no op of a
-            // section's board (it was stepped over before this one).
+            // An index before `first` is an earlier board's op: not this
+            // board's to fill.
             let Some(&slot) = index
                 .checked_sub(first)
                 .and_then(|at| slots.get(at as usize))
