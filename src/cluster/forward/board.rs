@@ -139,14 +139,13 @@ impl SlotBoard {
         let mut filled = 0;
         let end = first + slots.len() as u64;
         let read = loop {
-            match answers.peek_index() {
-                Ok(Some(index)) if index < end => {}
+            let index = match answers.peek_index() {
+                Ok(Some(index)) if index < end => index,
                 Ok(_) => break Ok(()),
                 Err(error) => break Err(error),
-            }
-            let (index, decision) = match answers.next_entry() {
-                Ok(Some(entry)) => entry,
-                Ok(None) => break Ok(()),
+            };
+            let decision = match answers.take_decision() {
+                Ok(decision) => decision,
                 Err(error) => break Err(error),
             };
             // An index before `first` is an earlier board's op: not this
