@@ -124,10 +124,23 @@ impl<'a> BatchAnswers<'a> {
     /// index of; an error if it gave none.
     #[inline(always)]
     pub fn take_decision(&mut self) -> Result<WireDecision, FrameError> {
+        let mut decision = WireDecision::Full { live_keys_max: 0 };
+        self.take_decision_into(&mut decision)?;
+        Ok(decision)
+    }
+
+    /// [`BatchAnswers::take_decision`] read into `decision`, a decided
+    /// hit inlined (see [`Reader::decision_into`]): returned whole from
+    /// the reader's out-of-line form, the decision came back through
+    /// memory a field at a time and was read back whole, a
+    /// store-forwarding stall per forwarded hit (docs/benchmarks.md,
+    /// "Twentieth round").
+    #[inline(always)]
+    pub fn take_decision_into(&mut self, decision: &mut WireDecision) -> Result<(), FrameError> {
         if self.peeked.take().is_none() {
             return Err(FrameError::Invalid("answer without its index"));
         }
-        self.reader.decision()
+        self.reader.decision_into(decision)
     }
 }
 

@@ -144,10 +144,10 @@ impl SlotBoard {
                 Ok(_) => break Ok(()),
                 Err(error) => break Err(error),
             };
-            let decision = match answers.take_decision() {
-                Ok(decision) => decision,
-                Err(error) => break Err(error),
-            };
+            let mut decision = WireDecision::Full { live_keys_max: 0 };
+            if let Err(error) = answers.take_decision_into(&mut decision) {
+                break Err(error);
+            }
             // An index before `first` is an earlier board's op: not this
             // board's to fill.
             let Some(&slot) = index
