@@ -132,6 +132,12 @@ const BUCKET_OP_CODE: u8 = 3;
 /// then the count, the reset flag, the cleanup interval and the six limits.
 pub fn put_op(out: &mut Vec<u8>, op: &OpView<'_>) {
     put_bytes(out, op.key);
+    put_op_params(out, op);
+}
+
+/// Appends what follows an op's key (see [`put_op`]): its flags, then a
+/// rule's algorithm and quota or a droplet bucket's take.
+pub fn put_op_params(out: &mut Vec<u8>, op: &OpView<'_>) {
     let peek = if op.peek { 0x80 } else { 0 };
     if let Some(bucket) = &op.bucket {
         out.push(BUCKET_OP_CODE | peek);

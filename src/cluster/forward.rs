@@ -12,7 +12,7 @@
 //! failover or a move shows as latency; hits that may have been counted are
 //! never sent twice.
 
-use super::data_frames::{put_op, OpView, Reader};
+use super::data_frames::{put_bytes, put_op, put_op_params, OpView, Reader};
 use super::dataplane::{replica_in, DataPlane, DecidedState, ReplicaTable};
 use super::replica::LocalDecision;
 use super::rounds::Waiter;
@@ -112,6 +112,8 @@ pub struct ClusterBatch {
     replicas: Option<Arc<ReplicaTable>>,
     slots: Vec<Slot>,
     ops: Vec<u8>,
+    /// The parameters of the last rule op encoded in `ops`.
+    last_params: Option<EncodedParams>,
     keys: Vec<u8>,
     states: Vec<LocalState>,
     forwards: SmallVec<[PeerForward; 2]>,
@@ -130,6 +132,7 @@ impl ClusterBatch {
             replicas: None,
             slots: Vec::new(),
             ops: Vec::new(),
+            last_params: None,
             keys,
             states,
             forwards: SmallVec::new(),
@@ -203,7 +206,9 @@ impl ClusterBatch {
                     }
                 };
                 forward.slots.push(slot);
-                forward.ops_at.push(encode_op(&mut self.ops, op));
+                forward
+                    .ops_at
+                    .push(encode_op(&mut self.ops, &mut self.last_params, op));
                 SlotAnswer::Pending
             }
         })
@@ -322,7 +327,7 @@ impl ClusterBatch {
         let op_at = if waits {
             if encoded == self.ops.len() {
                 // Not forwarded (`route` encoded those): kept for a retry.
-                encode_op(&mut self.ops, op);
+                encode_op(&mut self.ops, &mut self.last_params, op);
             }
             encoded as u32
         } else {
@@ -408,13 +413,58 @@ impl ClusterBatch {
     }
 }
 
-/// Appends `op` to a batch's encoded ops; returns where it lies.
-fn encode_op(ops: &mut Vec<u8>, op: &OpView<'_>) -> (u32, u32) {
+/// A rule op's parameters as last encoded in a batch's `ops`, and where
+/// their bytes (what follows the op's key) lie there.
+#[derive(Clone, Copy)]
+struct EncodedParams {
+    algorithm: crate::rules::Algorithm,
+    credit_limit: u64,
+    reset_seconds: u64,
+    peek: bool,
+    at: (u32, u32),
+}
+
+impl EncodedParams {
+    fn same_as(&self, op: &OpView<'_>) -> bool {
+        (
+            self.algorithm,
+            self.credit_limit,
+            self.reset_seconds,
+            self.peek,
+        ) == (op.algorithm, op.credit_limit, op.reset_seconds, op.peek)
+    }
+}
+
+/// Appends `op` to a batch's encoded ops; returns where it lies. A rule
+/// op with the parameters of the last one encoded (`last`: a read batch's
+/// hits mostly share a few rules) copies their bytes rather than
+/// encoding its quota's varints again.
+fn encode_op(ops: &mut Vec<u8>, last: &mut Option<EncodedParams>, op: &OpView<'_>) -> (u32, u32) {
     if ops.capacity() == 0 {
         ops.reserve(BATCH_OPS_BYTES_INITIAL);
     }
     let start = ops.len() as u32;
-    put_op(ops, op);
+    if op.bucket.is_some() {
+        put_op(ops, op);
+        return (start, ops.len() as u32);
+    }
+    put_bytes(ops, op.key);
+    match *last {
+        Some(params) if params.same_as(op) => {
+            ops.extend_from_within(params.at.0 as usize..params.at.1 as usize);
+        }
+        _ => {
+            let from = ops.len() as u32;
+            put_op_params(ops, op);
+            *last = Some(EncodedParams {
+                algorithm: op.algorithm,
+                credit_limit: op.credit_limit,
+                reset_seconds: op.reset_seconds,
+                peek: op.peek,
+                at: (from, ops.len() as u32),
+            });
+        }
+    }
     (start, ops.len() as u32)
 }
 
@@ -568,5 +618,46 @@ impl OpBatch for ClusterBatch {
         let now = Instant::now();
         let deadline = now + Duration::from_millis(self.dp.settings.forward_timeout_ms);
         self.submit_until(now, deadline, hit_result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::Algorithm;
+
+    fn rule_op(key: &[u8], algorithm: Algorithm, credit_limit: u64, peek: bool) -> OpView<'_> {
+        OpView {
+            key,
+            algorithm,
+            credit_limit,
+            reset_seconds: 3_600,
+            peek,
+            bucket: None,
+        }
+    }
+
+    #[test]
+    fn ops_sharing_parameters_encode_as_each_alone_would() {
+        let ops = [
+            rule_op(b"k1", Algorithm::FixedWindow, 1_000_000_000, false),
+            rule_op(b"key-2", Algorithm::FixedWindow, 1_000_000_000, false),
+            rule_op(b"k3", Algorithm::FixedWindow, 1_000_000_000, true),
+            rule_op(b"k4", Algorithm::TokenBucket, 1_000_000_000, true),
+            rule_op(b"k5", Algorithm::TokenBucket, 7, true),
+            rule_op(b"k6", Algorithm::TokenBucket, 7, true),
+            rule_op(b"", Algorithm::SlidingWindow, 7, false),
+        ];
+        let (mut bytes, mut last) = (Vec::new(), None);
+        let at: Vec<(u32, u32)> = ops
+            .iter()
+            .map(|op| encode_op(&mut bytes, &mut last, op))
+            .collect();
+        for (op, (start, end)) in ops.iter().zip(at) {
+            let mut alone = Vec::new();
+            put_op(&mut alone, op);
+            assert_eq!(&bytes[start as usize..end as usize], &alone[..]);
+            assert_eq!(Reader::new(&alone).op().unwrap(), *op);
+        }
     }
 }
