@@ -268,6 +268,15 @@ impl Connection {
         // time. Polled until it fires (which ends the input).
         let shutdown_changed = shutdown.changed();
         tokio::pin!(shutdown_changed);
+        // One idle timer for the connection's life, moved on only when it
+        // fires early (activity since it was set): a fresh one at every
+        // turn registered and removed a timer per read batch, 2 % of one
+        // node's CPU per hit with `--idle-timeout-ms` set
+        // (docs/benchmarks.md, "Twentieth round").
+        let idle_after = Duration::from_millis(self.limits.idle_timeout_ms);
+        let mut idle =
+            (self.limits.idle_timeout_ms > 0).then(|| Box::pin(tokio::time::sleep(idle_after)));
+        let mut last_active = tokio::time::Instant::now();
         loop {
             self.execute_buffered_lines();
             if !self.output.is_empty() && self.flush().await.is_err() {
@@ -288,10 +297,12 @@ impl Connection {
             }
             let can_read =
                 !self.input_done && !self.closing && self.pending.len() < self.limits.pipeline_max;
-            let idle = async {
-                match self.limits.idle_timeout_ms {
-                    0 => std::future::pending().await,
-                    ms => tokio::time::sleep(Duration::from_millis(ms)).await,
+            let idle_armed =
+                can_read && self.pending.is_empty() && self.partial_line_since.is_none();
+            let idle_fired = async {
+                match idle.as_mut() {
+                    Some(sleep) => sleep.as_mut().await,
+                    None => std::future::pending().await,
                 }
             };
             let partial_line_deadline = self
@@ -307,6 +318,9 @@ impl Connection {
             tokio::select! {
                 biased;
                 Some(replies) = self.pending.next(), if !self.pending.is_empty() => {
+                    if idle.is_some() {
+                        last_active = tokio::time::Instant::now();
+                    }
                     self.push_replies(replies);
                     // Collect every other reply that is already done, to answer them in one write.
                     while let Some(Some(replies)) = self.pending.next().now_or_never() {
@@ -317,6 +331,9 @@ impl Connection {
                     match read {
                         Ok(0) => self.input_done = true,
                         Ok(n) => {
+                            if idle.is_some() {
+                                last_active = tokio::time::Instant::now();
+                            }
                             self.arrival = self.engine.arrival();
                             if n >= READ_CHUNK_BYTES / 2 {
                                 self.large_reads_in_turn += 1;
@@ -335,8 +352,12 @@ impl Connection {
                     self.engine.metrics.requests_read(RequestProtocol::Divvy, 1);
                     self.queue_reply(Reply::error("line timeout"));
                 }
-                _ = idle, if can_read && self.pending.is_empty() && self.partial_line_since.is_none() => {
-                    return Ended::Idle;
+                _ = idle_fired, if idle_armed => {
+                    let due = last_active + idle_after;
+                    match idle.as_mut() {
+                        Some(sleep) if due > tokio::time::Instant::now() => sleep.as_mut().reset(due),
+                        _ => return Ended::Idle,
+                    }
                 }
             }
         }

@@ -4,6 +4,7 @@
 use crate::util;
 
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 use tollgate::rules::RuleSet;
 use tollgate::server::Limits;
@@ -17,6 +18,7 @@ crate::in_both_serving_modes!(
     connections_beyond_the_limit_are_refused_with_an_error,
     a_client_that_never_reads_is_backpressured_and_others_are_unaffected,
     idle_connections_are_closed_when_configured,
+    a_connection_in_use_outlives_its_idle_timeout_then_closes_when_idle,
     live_key_cap_answers_an_error_for_new_actors_only,
     unavailability_policies_decide_what_hits_get_at_the_live_key_cap,
     a_line_trickling_in_slower_than_the_line_timeout_is_dropped,
@@ -173,15 +175,41 @@ fn idle_connections_are_closed_when_configured() {
     });
     let mut stream = connect(server.addr);
     assert_eq!(request(&mut stream, "HIT op=a u=1"), "OK true 999999 60");
-    let started = Instant::now();
+    closes_silently_no_sooner_than(stream, Duration::from_millis(150));
+}
+
+/// Reads until the server closes `stream` (nothing more was sent) and
+/// checks that it took at least `quiet_at_least`.
+fn closes_silently_no_sooner_than(mut stream: TcpStream, quiet_at_least: Duration) {
+    let quiet_since = Instant::now();
     let mut rest = Vec::new();
     stream.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty());
-    assert!(
-        started.elapsed() >= Duration::from_millis(150),
-        "{:?}",
-        started.elapsed()
-    );
+    let quiet = quiet_since.elapsed();
+    assert!(quiet >= quiet_at_least, "closed after {quiet:?}");
+}
+
+fn a_connection_in_use_outlives_its_idle_timeout_then_closes_when_idle() {
+    let server = start(Limits {
+        idle_timeout_ms: 1_000,
+        ..Limits::default()
+    });
+    let mut stream = connect(server.addr);
+    // Requests a tenth of the timeout apart, for more than twice the
+    // timeout: every one answered on the same connection.
+    let started = Instant::now();
+    let mut answered = 0u32;
+    while started.elapsed() < Duration::from_millis(2_500) {
+        assert_eq!(
+            request(&mut stream, &format!("HIT op=a u={answered}")),
+            "OK true 999999 60"
+        );
+        answered += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(answered >= 10, "{answered}");
+    // Then silence: closed, not before the timeout.
+    closes_silently_no_sooner_than(stream, Duration::from_millis(750));
 }
 
 fn live_key_cap_answers_an_error_for_new_actors_only() {
