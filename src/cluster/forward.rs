@@ -624,6 +624,7 @@ impl OpBatch for ClusterBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::droplet_bucket::TakeRequest;
     use crate::rules::Algorithm;
 
     fn rule_op(key: &[u8], algorithm: Algorithm, credit_limit: u64, peek: bool) -> OpView<'_> {
@@ -645,10 +646,26 @@ mod tests {
             rule_op(b"k3", Algorithm::FixedWindow, 1_000_000_000, true),
             rule_op(b"k4", Algorithm::TokenBucket, 1_000_000_000, true),
             rule_op(b"k5", Algorithm::TokenBucket, 7, true),
+            // A droplet bucket's take between two ops of one rule: encoded
+            // whole, and the next op still copies the rule's parameters.
+            OpView {
+                bucket: Some(super::super::data_frames::BucketOp {
+                    request: TakeRequest {
+                        count: 2,
+                        reset: false,
+                        limits: [10, 0, 0, 0, 0, 1],
+                    },
+                    cleanup_interval_ms: 60_000,
+                }),
+                reset_seconds: 0,
+                ..rule_op(b"bucket", Algorithm::FixedWindow, 0, false)
+            },
             rule_op(b"k6", Algorithm::TokenBucket, 7, true),
             rule_op(b"", Algorithm::SlidingWindow, 7, false),
         ];
         let (mut bytes, mut last) = (Vec::new(), None);
+        // Each op as the batch encodes it, then each alone: the same bytes,
+        // which read back as the op.
         let at: Vec<(u32, u32)> = ops
             .iter()
             .map(|op| encode_op(&mut bytes, &mut last, op))

@@ -391,7 +391,7 @@ async fn serve_connection(
         // behind them once more: the replicator, woken with them, itself
         // waits once behind them before it closes the round, and the round
         // then goes out in this write, not in a second one (strict mode: 5 %
-        // less CPU per hit, docs/benchmarks.md, "Twentieth round").
+        // fewer system calls per hit, docs/benchmarks.md, "Twentieth round").
         super::cadence::behind_woken_tasks().await;
         super::cadence::behind_woken_tasks().await;
         buf.clear();
