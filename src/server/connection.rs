@@ -162,6 +162,50 @@ impl Waiting {
     }
 }
 
+/// A timeout's timer, made once and moved on lazily: it fires at the
+/// deadline it was last set to, and its owner then checks the current
+/// deadline, which only ever moves later (activity since, a newer partial
+/// line), setting the timer again while that is still ahead. A timer made
+/// afresh at every turn of the connection's loop was registered with the
+/// runtime's timer wheel and removed again once per read batch: 2 % of one
+/// node's CPU per hit with `--idle-timeout-ms` set (docs/benchmarks.md,
+/// "Twentieth round").
+#[derive(Default)]
+struct LazyDeadline {
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl LazyDeadline {
+    /// Sets the timer to `deadline` unless it is set already (to an
+    /// earlier deadline: it is moved on when that one fires).
+    fn arm(&mut self, deadline: tokio::time::Instant) {
+        if self.sleep.is_none() {
+            self.sleep = Some(Box::pin(tokio::time::sleep_until(deadline)));
+        }
+    }
+
+    /// Resolves when the timer fires; never when it was never armed.
+    async fn fired(&mut self) {
+        match self.sleep.as_mut() {
+            Some(sleep) => sleep.as_mut().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Whether `deadline` (the timeout's current one) has passed; if not,
+    /// the timer is set to fire at it.
+    fn passed(&mut self, deadline: tokio::time::Instant) -> bool {
+        if deadline <= tokio::time::Instant::now() {
+            return true;
+        }
+        match self.sleep.as_mut() {
+            Some(sleep) => sleep.as_mut().reset(deadline),
+            None => self.arm(deadline),
+        }
+        false
+    }
+}
+
 /// A request of a batched run: answered already, or waiting for the batch.
 enum RunItem {
     Ready(Reply),
@@ -268,15 +312,16 @@ impl Connection {
         // time. Polled until it fires (which ends the input).
         let shutdown_changed = shutdown.changed();
         tokio::pin!(shutdown_changed);
-        // One idle timer for the connection's life, moved on only when it
-        // fires early (activity since it was set): a fresh one at every
-        // turn registered and removed a timer per read batch, 2 % of one
-        // node's CPU per hit with `--idle-timeout-ms` set
-        // (docs/benchmarks.md, "Twentieth round").
+        // The idle and line timeouts, each one timer for the connection's
+        // life (see `LazyDeadline`).
         let idle_after = Duration::from_millis(self.limits.idle_timeout_ms);
-        let mut idle =
-            (self.limits.idle_timeout_ms > 0).then(|| Box::pin(tokio::time::sleep(idle_after)));
+        let line_after = Duration::from_millis(self.limits.line_timeout_ms);
+        let mut idle = LazyDeadline::default();
+        let mut line = LazyDeadline::default();
         let mut last_active = tokio::time::Instant::now();
+        if self.limits.idle_timeout_ms > 0 {
+            idle.arm(last_active + idle_after);
+        }
         loop {
             self.execute_buffered_lines();
             if !self.output.is_empty() && self.flush().await.is_err() {
@@ -297,28 +342,21 @@ impl Connection {
             }
             let can_read =
                 !self.input_done && !self.closing && self.pending.len() < self.limits.pipeline_max;
-            let idle_armed =
-                can_read && self.pending.is_empty() && self.partial_line_since.is_none();
-            let idle_fired = async {
-                match idle.as_mut() {
-                    Some(sleep) => sleep.as_mut().await,
-                    None => std::future::pending().await,
-                }
-            };
+            let idle_armed = self.limits.idle_timeout_ms > 0
+                && can_read
+                && self.pending.is_empty()
+                && self.partial_line_since.is_none();
             let partial_line_deadline = self
                 .partial_line_since
                 .filter(|_| self.limits.line_timeout_ms > 0)
-                .map(|since| since + Duration::from_millis(self.limits.line_timeout_ms));
-            let line_timeout = async {
-                match partial_line_deadline {
-                    Some(deadline) => tokio::time::sleep_until(deadline).await,
-                    None => std::future::pending().await,
-                }
-            };
+                .map(|since| since + line_after);
+            if let Some(deadline) = partial_line_deadline {
+                line.arm(deadline);
+            }
             tokio::select! {
                 biased;
                 Some(replies) = self.pending.next(), if !self.pending.is_empty() => {
-                    if idle.is_some() {
+                    if self.limits.idle_timeout_ms > 0 {
                         last_active = tokio::time::Instant::now();
                     }
                     self.push_replies(replies);
@@ -331,7 +369,7 @@ impl Connection {
                     match read {
                         Ok(0) => self.input_done = true,
                         Ok(n) => {
-                            if idle.is_some() {
+                            if self.limits.idle_timeout_ms > 0 {
                                 last_active = tokio::time::Instant::now();
                             }
                             self.arrival = self.engine.arrival();
@@ -346,17 +384,17 @@ impl Connection {
                     self.input_done = true;
                     ended_by = Ended::Shutdown;
                 }
-                _ = line_timeout, if can_read => {
-                    // A line trickling in slower than this holds a slot for nothing (slowloris).
-                    self.engine.metrics.error(crate::protocol::ErrorCode::Unknown);
-                    self.engine.metrics.requests_read(RequestProtocol::Divvy, 1);
-                    self.queue_reply(Reply::error("line timeout"));
+                _ = line.fired(), if can_read && partial_line_deadline.is_some() => {
+                    if partial_line_deadline.is_some_and(|deadline| line.passed(deadline)) {
+                        // A line trickling in slower than this holds a slot for nothing (slowloris).
+                        self.engine.metrics.error(crate::protocol::ErrorCode::Unknown);
+                        self.engine.metrics.requests_read(RequestProtocol::Divvy, 1);
+                        self.queue_reply(Reply::error("line timeout"));
+                    }
                 }
-                _ = idle_fired, if idle_armed => {
-                    let due = last_active + idle_after;
-                    match idle.as_mut() {
-                        Some(sleep) if due > tokio::time::Instant::now() => sleep.as_mut().reset(due),
-                        _ => return Ended::Idle,
+                _ = idle.fired(), if idle_armed => {
+                    if idle.passed(last_active + idle_after) {
+                        return Ended::Idle;
                     }
                 }
             }
