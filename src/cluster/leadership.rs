@@ -250,18 +250,33 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
 }
 
 /// Sends `replica`'s counters (led here in `term`) to `peer`, in chunks.
+/// Why a sync of a replica did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("no link to node {0}")]
+    NoLink(NodeId),
+    /// The replica answered, and refused the counters.
+    #[error("refused: {0:?}")]
+    Refused(ApplyRefusal),
+    #[error("leadership moved during the sync")]
+    LeadershipMoved,
+    /// The call failed (link down, timeout) or was answered oddly.
+    #[error("{0}")]
+    Call(String),
+}
+
 pub async fn sync_to(
     node: &ClusterNode,
     replica: &Replica,
     term: u64,
     peer: NodeId,
-) -> Result<usize, String> {
+) -> Result<usize, SyncError> {
     let shard = replica.shard;
     let link = node
         .links
         .get(peer)
         .or_else(|| node.link_to_member(peer))
-        .ok_or_else(|| format!("no link to node {peer}"))?;
+        .ok_or(SyncError::NoLink(peer))?;
     let counters = node.scans.counters_of(&node.dp, shard).await;
     let total = counters.len();
     let stamped_ms = node.dp.clock.now_ms();
@@ -275,7 +290,7 @@ pub async fn sync_to(
     }
     for chunk in chunks {
         if replica.ready_term() != Some(term) {
-            return Err("leadership moved during the sync".into());
+            return Err(SyncError::LeadershipMoved);
         }
         sync_chunk(&link, shard, term, stamped_ms, chunk.to_vec(), timeout_ms).await?;
     }
@@ -289,7 +304,7 @@ async fn sync_chunk(
     stamped_ms: u64,
     counters: super::wire::CounterList,
     timeout_ms: u64,
-) -> Result<(), String> {
+) -> Result<(), SyncError> {
     let request = PeerRequest::Sync {
         shard,
         term,
@@ -298,9 +313,9 @@ async fn sync_chunk(
     };
     match link.call(request, timeout_ms).await {
         Ok(PeerResponse::Synced(Ok(()))) => Ok(()),
-        Ok(PeerResponse::Synced(Err(refusal))) => Err(format!("refused: {refusal:?}")),
-        Ok(other) => Err(format!("unexpected answer {other:?}")),
-        Err(error) => Err(error.to_string()),
+        Ok(PeerResponse::Synced(Err(refusal))) => Err(SyncError::Refused(refusal)),
+        Ok(other) => Err(SyncError::Call(format!("unexpected answer {other:?}"))),
+        Err(error) => Err(SyncError::Call(error.to_string())),
     }
 }
 

@@ -317,7 +317,18 @@ fn restarted_node_catches_up_by_sync_with_counters_intact() {
         std::thread::sleep(Duration::from_millis(100));
         live_keys = cluster.topology().map(|t| keys_of(&t)).unwrap_or_default();
     }
-    assert!(agree(&live_keys), "live keys differ: {live_keys:?}");
+    let syncs_to_node_3 = || {
+        format!("{}{}", cluster.log(1), cluster.log(2))
+            .lines()
+            .filter(|l| l.contains("sync") && l.contains("peer=3"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(
+        agree(&live_keys),
+        "live keys differ: {live_keys:?}; the leaders' syncs to node 3:\n{}",
+        syncs_to_node_3()
+    );
     // A leader logs each sync once it is done: the logs are read again for
     // a while too.
     let synced = |logs: &str| {
