@@ -250,6 +250,86 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
 }
 
 /// Sends `replica`'s counters (led here in `term`) to `peer`, in chunks.
+/// Why a leader syncs a replica: it became ready to lead the shard, or the
+/// replica's node connected again (it may have restarted empty).
+#[derive(Clone, Copy)]
+pub enum SyncCause {
+    Leading,
+    Reconnected,
+}
+
+/// Pause before a leader's sync of a replica that failed is tried again.
+const SYNC_RETRY_PAUSE_MS: u64 = 100;
+/// How long a leader keeps trying to sync a replica (see
+/// [`spawn_sync`]).
+const SYNC_RETRY_WINDOW_MS: u64 = 10_000;
+
+/// Syncs `replica`'s shard, led here in `term`, to `peer` in the
+/// background; again every [`SYNC_RETRY_PAUSE_MS`], for up to
+/// [`SYNC_RETRY_WINDOW_MS`], while `peer` refuses it for holding no
+/// replica of the shard and this node still leads the shard in `term`
+/// with `peer` among its replicas: a peer that just restarted accepts
+/// links before its replicas exist, and refused a sync that came first
+/// (it then missed the shard's counters until its link broke again).
+pub fn spawn_sync(
+    node: &Arc<ClusterNode>,
+    replica: Arc<Replica>,
+    term: u64,
+    peer: NodeId,
+    cause: SyncCause,
+) {
+    let node = Arc::clone(node);
+    tokio::spawn(async move {
+        let shard = replica.shard;
+        let deadline = Instant::now() + Duration::from_millis(SYNC_RETRY_WINDOW_MS);
+        let mut tried = false;
+        loop {
+            // After a refusal, an empty sync asks first whether the
+            // replica exists now; the whole sync follows once it does.
+            let probed = if tried {
+                probe_sync(&node, &replica, term, peer).await
+            } else {
+                Ok(())
+            };
+            tried = true;
+            let synced = match probed {
+                Ok(()) => sync_to(&node, &replica, term, peer).await,
+                Err(why) => Err(why),
+            };
+            let why = match synced {
+                Ok(counters) => {
+                    match cause {
+                        SyncCause::Reconnected => tracing::info!(
+                            shard,
+                            peer,
+                            counters,
+                            "caught a replica up with the leader's counters"
+                        ),
+                        SyncCause::Leading => {
+                            tracing::debug!(shard, peer, counters, "synced a replica")
+                        }
+                    }
+                    return;
+                }
+                Err(why) => why,
+            };
+            // Only a replica not made yet is waited for: a link that
+            // fails syncs again when it connects, and a newer term's
+            // fence stands.
+            let still_due = matches!(why, SyncError::Refused(ApplyRefusal::NotReplica))
+                && replica.ready_term() == Some(term)
+                && replica.config().targets.contains(&peer)
+                && Instant::now() < deadline;
+            if !still_due {
+                tracing::debug!(shard, peer, %why, "sync of a replica did not finish");
+                return;
+            }
+            tracing::debug!(shard, peer, %why, "sync of a replica refused: trying again");
+            tokio::time::sleep(Duration::from_millis(SYNC_RETRY_PAUSE_MS)).await;
+        }
+    });
+}
+
 /// Why a sync of a replica did not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
@@ -295,6 +375,34 @@ pub async fn sync_to(
         sync_chunk(&link, shard, term, stamped_ms, chunk.to_vec(), timeout_ms).await?;
     }
     Ok(total)
+}
+
+/// Asks `peer` whether its replica of `replica`'s shard takes this term's
+/// syncs, sending no counters (before a whole sync is sent again to a
+/// replica that did not exist yet: the scan and the counters are not
+/// repeated for every try).
+pub async fn probe_sync(
+    node: &ClusterNode,
+    replica: &Replica,
+    term: u64,
+    peer: NodeId,
+) -> Result<(), SyncError> {
+    let link = node
+        .links
+        .get(peer)
+        .or_else(|| node.link_to_member(peer))
+        .ok_or(SyncError::NoLink(peer))?;
+    let stamped_ms = node.dp.clock.now_ms();
+    let timeout_ms = node.dp.settings.commit_timeout_ms.max(1_000) * 5;
+    sync_chunk(
+        &link,
+        replica.shard,
+        term,
+        stamped_ms,
+        Vec::new(),
+        timeout_ms,
+    )
+    .await
 }
 
 async fn sync_chunk(

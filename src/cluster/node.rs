@@ -12,7 +12,7 @@ use super::config::NodeAddresses;
 use super::dataplane::{replicas_held, DataPlane};
 use super::disk::meta::{MetaRecord, ShardMeta};
 use super::disk::Startup;
-use super::leadership::{self, SyncError};
+use super::leadership::{self, SyncCause};
 use super::links::{LinkError, Links, PeerLink};
 use super::members::Members;
 use super::placement::Placement;
@@ -20,8 +20,7 @@ use super::replica::{Recovery, Replica};
 use super::scan::ShardScans;
 use super::storage::{LogStore, ShardDisk, ShardStateMachine};
 use super::wire::{
-    AdminRequest, ApplyRefusal, Hello, NodeReport, NodeStats, PeerRequest, PeerResponse,
-    ShardReport,
+    AdminRequest, Hello, NodeReport, NodeStats, PeerRequest, PeerResponse, ShardReport,
 };
 use super::{ClusterError, ClusterFile, LeaderTable, NodeId};
 use openraft::{Raft, ServerState};
@@ -29,7 +28,7 @@ use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// How long a status query to a peer may take.
 pub const STATUS_TIMEOUT_MS: u64 = 500;
@@ -37,19 +36,6 @@ pub const STATUS_TIMEOUT_MS: u64 = 500;
 pub const PEER_POLL_INTERVAL_MS: u64 = 250;
 /// How long an operator request may wait for each peer to take a member list.
 const ADMIN_PUSH_TIMEOUT_MS: u64 = 2_000;
-/// Why a leader syncs a replica: it became ready to lead the shard, or the
-/// replica's node connected again (it may have restarted empty).
-#[derive(Clone, Copy)]
-enum SyncCause {
-    Leading,
-    Reconnected,
-}
-
-/// Pause before a leader's sync of a replica that failed is tried again.
-const SYNC_RETRY_PAUSE_MS: u64 = 100;
-/// How long a leader keeps trying to sync a replica (see
-/// `ClusterNode::spawn_sync`).
-const SYNC_RETRY_WINDOW_MS: u64 = 10_000;
 
 /// What a node needs to start shard groups at any time.
 pub struct GroupFactory {
@@ -464,61 +450,8 @@ impl ClusterNode {
     pub(super) fn sync_replicas(self: &Arc<Self>, replica: Arc<Replica>, term: u64) {
         let targets = replica.config().targets.clone();
         for peer in targets {
-            self.spawn_sync(Arc::clone(&replica), term, peer, SyncCause::Leading);
+            leadership::spawn_sync(self, Arc::clone(&replica), term, peer, SyncCause::Leading);
         }
-    }
-
-    /// Syncs `replica`'s shard, led here in `term`, to `peer` in the
-    /// background; again every [`SYNC_RETRY_PAUSE_MS`], for up to
-    /// [`SYNC_RETRY_WINDOW_MS`], while `peer` refuses it for holding no
-    /// replica of the shard and this node still leads the shard in `term`
-    /// with `peer` among its replicas: a peer that just restarted accepts
-    /// links before its replicas exist, and refused a sync that came first
-    /// (it then missed the shard's counters until its link broke again).
-    fn spawn_sync(
-        self: &Arc<Self>,
-        replica: Arc<Replica>,
-        term: u64,
-        peer: NodeId,
-        cause: SyncCause,
-    ) {
-        let node = Arc::clone(self);
-        tokio::spawn(async move {
-            let shard = replica.shard;
-            let deadline = Instant::now() + Duration::from_millis(SYNC_RETRY_WINDOW_MS);
-            loop {
-                let why = match leadership::sync_to(&node, &replica, term, peer).await {
-                    Ok(counters) => {
-                        match cause {
-                            SyncCause::Reconnected => tracing::info!(
-                                shard,
-                                peer,
-                                counters,
-                                "caught a replica up with the leader's counters"
-                            ),
-                            SyncCause::Leading => {
-                                tracing::debug!(shard, peer, counters, "synced a replica")
-                            }
-                        }
-                        return;
-                    }
-                    Err(why) => why,
-                };
-                // Only a replica not made yet is waited for: a link that
-                // fails syncs again when it connects, and a newer term's
-                // fence stands.
-                let still_due = matches!(why, SyncError::Refused(ApplyRefusal::NotReplica))
-                    && replica.ready_term() == Some(term)
-                    && replica.config().targets.contains(&peer)
-                    && Instant::now() < deadline;
-                if !still_due {
-                    tracing::debug!(shard, peer, %why, "sync of a replica did not finish");
-                    return;
-                }
-                tracing::debug!(shard, peer, %why, "sync of a replica refused: trying again");
-                tokio::time::sleep(Duration::from_millis(SYNC_RETRY_PAUSE_MS)).await;
-            }
-        });
     }
 
     /// Syncs every shard led here that `peer` replicates (the link to it
@@ -548,7 +481,7 @@ impl ClusterNode {
             if !replica.config().targets.contains(&peer) {
                 continue;
             }
-            self.spawn_sync(replica, term, peer, SyncCause::Reconnected);
+            leadership::spawn_sync(self, replica, term, peer, SyncCause::Reconnected);
         }
     }
 
