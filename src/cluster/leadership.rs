@@ -249,7 +249,6 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
     Ok(collected)
 }
 
-/// Sends `replica`'s counters (led here in `term`) to `peer`, in chunks.
 /// Why a leader syncs a replica: it became ready to lead the shard, or the
 /// replica's node connected again (it may have restarted empty).
 #[derive(Clone, Copy)]
@@ -345,6 +344,7 @@ pub enum SyncError {
     Call(String),
 }
 
+/// Sends `replica`'s counters (led here in `term`) to `peer`, in chunks.
 pub async fn sync_to(
     node: &ClusterNode,
     replica: &Replica,
@@ -352,15 +352,11 @@ pub async fn sync_to(
     peer: NodeId,
 ) -> Result<usize, SyncError> {
     let shard = replica.shard;
-    let link = node
-        .links
-        .get(peer)
-        .or_else(|| node.link_to_member(peer))
-        .ok_or(SyncError::NoLink(peer))?;
+    let link = sync_link(node, peer)?;
     let counters = node.scans.counters_of(&node.dp, shard).await;
     let total = counters.len();
     let stamped_ms = node.dp.clock.now_ms();
-    let timeout_ms = node.dp.settings.commit_timeout_ms.max(1_000) * 5;
+    let timeout_ms = sync_timeout_ms(node);
     let mut chunks = counters.chunks(SYNC_CHUNK_COUNTERS).peekable();
     if chunks.peek().is_none() {
         // Nothing to send; still check the replica takes this term.
@@ -387,22 +383,30 @@ pub async fn probe_sync(
     term: u64,
     peer: NodeId,
 ) -> Result<(), SyncError> {
-    let link = node
-        .links
-        .get(peer)
-        .or_else(|| node.link_to_member(peer))
-        .ok_or(SyncError::NoLink(peer))?;
+    let link = sync_link(node, peer)?;
     let stamped_ms = node.dp.clock.now_ms();
-    let timeout_ms = node.dp.settings.commit_timeout_ms.max(1_000) * 5;
     sync_chunk(
         &link,
         replica.shard,
         term,
         stamped_ms,
         Vec::new(),
-        timeout_ms,
+        sync_timeout_ms(node),
     )
     .await
+}
+
+/// The link a sync to `peer` goes over.
+fn sync_link(node: &ClusterNode, peer: NodeId) -> Result<Arc<super::links::PeerLink>, SyncError> {
+    node.links
+        .get(peer)
+        .or_else(|| node.link_to_member(peer))
+        .ok_or(SyncError::NoLink(peer))
+}
+
+/// How long a sync's chunk may take to be answered.
+fn sync_timeout_ms(node: &ClusterNode) -> u64 {
+    node.dp.settings.commit_timeout_ms.max(1_000) * 5
 }
 
 async fn sync_chunk(
