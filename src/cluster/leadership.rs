@@ -281,20 +281,8 @@ pub fn spawn_sync(
     tokio::spawn(async move {
         let shard = replica.shard;
         let deadline = Instant::now() + Duration::from_millis(SYNC_RETRY_WINDOW_MS);
-        let mut tried = false;
+        let mut synced = sync_to(&node, &replica, term, peer).await;
         loop {
-            // After a refusal, an empty sync asks first whether the
-            // replica exists now; the whole sync follows once it does.
-            let probed = if tried {
-                probe_sync(&node, &replica, term, peer).await
-            } else {
-                Ok(())
-            };
-            tried = true;
-            let synced = match probed {
-                Ok(()) => sync_to(&node, &replica, term, peer).await,
-                Err(why) => Err(why),
-            };
             let why = match synced {
                 Ok(counters) => {
                     match cause {
@@ -325,6 +313,12 @@ pub fn spawn_sync(
             }
             tracing::debug!(shard, peer, %why, "sync of a replica refused: trying again");
             tokio::time::sleep(Duration::from_millis(SYNC_RETRY_PAUSE_MS)).await;
+            // An empty sync asks first whether the replica exists now; the
+            // whole sync follows once it does.
+            synced = match probe_sync(&node, &replica, term, peer).await {
+                Ok(()) => sync_to(&node, &replica, term, peer).await,
+                Err(why) => Err(why),
+            };
         }
     });
 }

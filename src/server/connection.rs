@@ -314,12 +314,13 @@ impl Connection {
         tokio::pin!(shutdown_changed);
         // The idle and line timeouts, each one timer for the connection's
         // life (see `LazyDeadline`).
+        let idle_on = self.limits.idle_timeout_ms > 0;
         let idle_after = Duration::from_millis(self.limits.idle_timeout_ms);
         let line_after = Duration::from_millis(self.limits.line_timeout_ms);
         let mut idle = LazyDeadline::default();
         let mut line = LazyDeadline::default();
         let mut last_active = tokio::time::Instant::now();
-        if self.limits.idle_timeout_ms > 0 {
+        if idle_on {
             idle.arm(last_active + idle_after);
         }
         loop {
@@ -342,10 +343,8 @@ impl Connection {
             }
             let can_read =
                 !self.input_done && !self.closing && self.pending.len() < self.limits.pipeline_max;
-            let idle_armed = self.limits.idle_timeout_ms > 0
-                && can_read
-                && self.pending.is_empty()
-                && self.partial_line_since.is_none();
+            let idle_armed =
+                idle_on && can_read && self.pending.is_empty() && self.partial_line_since.is_none();
             let partial_line_deadline = self
                 .partial_line_since
                 .filter(|_| self.limits.line_timeout_ms > 0)
@@ -356,7 +355,7 @@ impl Connection {
             tokio::select! {
                 biased;
                 Some(replies) = self.pending.next(), if !self.pending.is_empty() => {
-                    if self.limits.idle_timeout_ms > 0 {
+                    if idle_on {
                         last_active = tokio::time::Instant::now();
                     }
                     self.push_replies(replies);
@@ -369,7 +368,7 @@ impl Connection {
                     match read {
                         Ok(0) => self.input_done = true,
                         Ok(n) => {
-                            if self.limits.idle_timeout_ms > 0 {
+                            if idle_on {
                                 last_active = tokio::time::Instant::now();
                             }
                             self.arrival = self.engine.arrival();
