@@ -48,6 +48,10 @@ struct FrameScratch {
     /// latter taken once that section is written to the data dir).
     answered: Vec<(u64, u32, WireDecision)>,
     answered_with_rounds: Vec<(u64, u32, WireDecision)>,
+    /// The states of the round section being applied: each key's place in
+    /// the frame, and the state (fast mode's sections carry about a
+    /// hundred, which a list on the stack held by allocating).
+    round_states: Vec<(usize, usize, CounterState)>,
 }
 
 impl FrameScratch {
@@ -60,7 +64,8 @@ impl FrameScratch {
             + self.keys.capacity()
             + self.decided.capacity() * size_of::<(usize, usize, DecidedState)>()
             + (self.answered.capacity() + self.answered_with_rounds.capacity())
-                * size_of::<(u64, u32, WireDecision)>();
+                * size_of::<(u64, u32, WireDecision)>()
+            + self.round_states.capacity() * size_of::<(usize, usize, CounterState)>();
         if kept > FRAME_SCRATCH_KEPT_BYTES_MAX {
             *self = FrameScratch::default();
             return;
@@ -70,6 +75,7 @@ impl FrameScratch {
         self.keys.clear();
         self.answered.clear();
         self.answered_with_rounds.clear();
+        self.round_states.clear();
     }
 }
 
@@ -106,6 +112,7 @@ impl DataPlane {
             keys,
             answered,
             answered_with_rounds,
+            round_states,
         } = &mut scratch;
         // Answers go back a section per batch to a peer that reads them so
         // (peer protocol 2.2), else in one `ANSWERS` section for the frame.
@@ -186,7 +193,8 @@ impl DataPlane {
                         self.take_answers(answered);
                     }
                     tag::ROUND => {
-                        let (round, shard, refusal) = self.apply_round(&replicas, &mut reader)?;
+                        let (round, shard, refusal) =
+                            self.apply_round(&replicas, body, &mut reader, round_states)?;
                         acked_upto = acked_upto.max(Some(round));
                         match refusal {
                             None => applied = Some((round, shard)),
@@ -396,26 +404,31 @@ impl DataPlane {
     fn apply_round(
         &self,
         replicas: &ReplicaTable,
+        body: &[u8],
         reader: &mut Reader<'_>,
+        states: &mut Vec<(usize, usize, CounterState)>,
     ) -> Result<(u64, u32, Option<ApplyRefusal>), FrameError> {
         let header = RoundHeader::read(reader)?;
-        let mut states: SmallVec<[(&[u8], CounterState); 32]> = SmallVec::new();
+        states.clear();
         for _ in 0..header.count {
             let key = reader.bytes()?;
-            states.push((key, reader.state()?));
+            // Where the key lies in the frame (the reader's bytes are the
+            // frame's).
+            let at = key.as_ptr() as usize - body.as_ptr() as usize;
+            states.push((at, key.len(), reader.state()?));
         }
+        let states = || {
+            states
+                .iter()
+                .map(|&(at, len, state)| (&body[at..at + len], state))
+        };
         let refused = match replica_in(replicas, header.shard) {
             None => Some(ApplyRefusal::NotReplica),
             Some(replica) => {
-                match replica.apply(
-                    &self.store,
-                    header.term,
-                    header.stamped_ms,
-                    states.iter().copied(),
-                ) {
+                match replica.apply(&self.store, header.term, header.stamped_ms, states()) {
                     Ok(dropped) => {
                         if let Some(disk) = &self.disk {
-                            disk.log_states(states.iter().copied());
+                            disk.log_states(states());
                         }
                         DataStats::add(&self.stats.states_applied, u64::from(header.count));
                         if dropped > 0 {
