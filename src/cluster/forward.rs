@@ -98,6 +98,50 @@ impl BatchBuffers {
     }
 }
 
+/// Encoded-ops buffers given back by finished boards, for the thread's next
+/// batches: a buffer recently written is still cached, where a fresh 2 KiB
+/// one from the allocator was written for the first time by each forwarding
+/// batch (about 5 ns per hit of fast mode's time; docs/benchmarks.md,
+/// "Twenty-first round").
+struct SpareOps {
+    buffers: Vec<Vec<u8>>,
+}
+
+/// Most buffers a thread keeps in [`SpareOps`] (about one per connection
+/// it serves with a batch in flight), and the largest it keeps.
+const SPARE_OPS_BUFFERS_MAX: usize = 64;
+const SPARE_OPS_BYTES_MAX: usize = 16 * 1024;
+
+thread_local! {
+    static SPARE_OPS: std::cell::RefCell<SpareOps> =
+        const { std::cell::RefCell::new(SpareOps { buffers: Vec::new() }) };
+}
+
+/// An empty encoded-ops buffer: a spare one when the thread has one.
+fn spare_ops() -> Vec<u8> {
+    SPARE_OPS
+        .try_with(|spare| spare.borrow_mut().buffers.pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Keeps a finished board's encoded ops for the thread's next batches,
+/// emptied, within [`SPARE_OPS_BUFFERS_MAX`] and [`SPARE_OPS_BYTES_MAX`].
+fn keep_spare_ops(mut ops: Vec<u8>) {
+    if ops.capacity() == 0 || ops.capacity() > SPARE_OPS_BYTES_MAX {
+        return;
+    }
+    ops.clear();
+    // A thread being torn down has no spares to keep.
+    let _ = SPARE_OPS.try_with(|spare| {
+        let mut spare = spare.borrow_mut();
+        if spare.buffers.len() < SPARE_OPS_BUFFERS_MAX {
+            spare.buffers.push(ops);
+        }
+    });
+}
+
 /// Capacity of a batch's slot list when its first slot is added (a typical
 /// pipelined read), so that it does not grow one reallocation at a time.
 const BATCH_SLOTS_INITIAL: usize = 32;
@@ -131,7 +175,7 @@ impl ClusterBatch {
             dp,
             replicas: None,
             slots: Vec::new(),
-            ops: Vec::new(),
+            ops: spare_ops(),
             last_params: None,
             keys,
             states,
@@ -375,6 +419,7 @@ impl ClusterBatch {
                 key_buf,
             }
             .keep();
+            keep_spare_ops(ops);
             return None;
         }
         // The ops join the board once the forwards are sent from them.

@@ -174,6 +174,22 @@ impl SlotBoard {
         if !matches!(entry.answer, SlotAnswer::Pending) {
             return false;
         }
+        // A rule's decision, the common answer, is written in place; the
+        // rest are made out of line (a whole answer built there and copied
+        // in was a stall per forwarded hit, docs/benchmarks.md).
+        if let WireDecision::Decided {
+            allowed,
+            credit,
+            next_reset_seconds,
+        } = decision
+        {
+            entry.answer = SlotAnswer::Done(Ok(Answer::Hit(Decision {
+                allowed,
+                credit,
+                next_reset_seconds,
+            })));
+            return true;
+        }
         entry.answer = result_of(entry.shard, decision);
         if matches!(entry.answer, SlotAnswer::Retry(_)) {
             self.retried.store(true, Ordering::Release);
@@ -252,6 +268,12 @@ impl SlotBoard {
     }
 }
 
+impl Drop for SlotBoard {
+    fn drop(&mut self) {
+        super::keep_spare_ops(std::mem::take(&mut self.inner.get_mut().ops));
+    }
+}
+
 pub(super) struct Settled<'a> {
     board: &'a SlotBoard,
 }
@@ -280,10 +302,11 @@ pub struct ForwardPart {
     pub slots: SmallVec<[u32; 16]>,
 }
 
-impl ForwardPart {
-    fn end(&self) -> u64 {
-        u64::from(self.first) + self.slots.len() as u64
-    }
+/// One read batch's run of ops in a [`ForwardWait`]'s section: its board,
+/// and where its ops start (they run to the next part's start).
+struct WaitPart {
+    board: Arc<SlotBoard>,
+    first: u32,
 }
 
 /// A `FORWARD` section sent to a peer, waiting for its answers: the ops of
@@ -293,27 +316,55 @@ impl ForwardPart {
 pub struct ForwardWait {
     pub peer: NodeId,
     /// In op order, each starting where the one before ends.
-    parts: SmallVec<[ForwardPart; 1]>,
+    parts: Vec<WaitPart>,
+    /// The board slot of each op of the section from the first part's
+    /// first op (`base`) on: one list for every part, so a batch joining
+    /// the section appends to it (a list of parts each holding its own
+    /// slots grew by copying them all).
+    slots: Vec<u32>,
+    base: u32,
     pub answered: u32,
     /// The outbox frame the section went in (see `PeerOut`).
     pub frame: u64,
     pub sent_at: Instant,
 }
 
+/// Parts a section's wait has room for when it opens: a section is joined
+/// by the forwards of many read batches (about twenty under the bench's
+/// load, docs/benchmarks.md), and growing from one copied the list each
+/// time it doubled.
+const WAIT_PARTS_INITIAL: usize = 16;
+
 impl ForwardWait {
     pub fn new(peer: NodeId, part: ForwardPart, frame: u64, sent_at: Instant) -> ForwardWait {
-        ForwardWait {
+        let mut wait = ForwardWait {
             peer,
-            parts: SmallVec::from_buf([part]),
+            parts: Vec::with_capacity(WAIT_PARTS_INITIAL),
+            slots: Vec::with_capacity(WAIT_PARTS_INITIAL * part.slots.len()),
+            base: part.first,
             answered: 0,
             frame,
             sent_at,
-        }
+        };
+        wait.join(part);
+        wait
     }
 
-    /// Ops in the section so far.
+    /// The section's op index after this wait's last op.
     pub fn ops(&self) -> u32 {
-        self.parts.last().map_or(0, |last| last.end() as u32)
+        self.base + self.slots.len() as u32
+    }
+
+    /// Whether every op of this wait is answered (counting from `base`: a
+    /// wait opened past its section's first op waits for its own ops only).
+    fn all_answered(&self) -> bool {
+        self.answered as usize >= self.slots.len()
+    }
+
+    /// The slots of the ops `first..end` of the section (a part's).
+    fn slots_of(&self, first: u64, end: u64) -> &[u32] {
+        let base = u64::from(self.base);
+        &self.slots[(first - base) as usize..(end - base) as usize]
     }
 
     /// Adds a read batch's ops, appended to the section after its others.
@@ -323,16 +374,24 @@ impl ForwardWait {
             self.ops(),
             "a part starts where the section ended"
         );
-        self.parts.push(part);
+        self.parts.push(WaitPart {
+            board: part.board,
+            first: part.first,
+        });
+        self.slots.extend_from_slice(&part.slots);
     }
 
-    /// The part holding op `index`.
-    fn part_of(&self, index: u64) -> Option<&ForwardPart> {
+    /// The part holding op `index`, and the end of its ops.
+    fn part_of(&self, index: u64) -> Option<(&WaitPart, u64)> {
         let after = self
             .parts
             .partition_point(|part| u64::from(part.first) <= index);
         let part = self.parts.get(after.checked_sub(1)?)?;
-        (index < part.end()).then_some(part)
+        let end = self
+            .parts
+            .get(after)
+            .map_or(u64::from(self.ops()), |next| u64::from(next.first));
+        (index < end).then_some((part, end))
     }
 
     /// Answers ops of the section (by index, in increasing order: a run of
@@ -341,15 +400,15 @@ impl ForwardWait {
     pub fn answer_many(&mut self, answers: impl IntoIterator<Item = (u32, WireDecision)>) -> bool {
         let mut answers = answers.into_iter().peekable();
         while let Some(&(index, _)) = answers.peek() {
-            let Some(part) = self.part_of(u64::from(index)) else {
+            let Some((part, end)) = self.part_of(u64::from(index)) else {
                 answers.next();
                 continue;
             };
-            let (first, end) = (u64::from(part.first), part.end());
+            let first = u64::from(part.first);
             let run = std::iter::from_fn(|| {
                 answers.next_if(|(index, _)| (first..end).contains(&u64::from(*index)))
             });
-            let slots = &part.slots;
+            let slots = self.slots_of(first, end);
             // Only answers that filled a pending slot count (see
             // `SlotBoard::fill_slot`).
             let filled =
@@ -358,7 +417,7 @@ impl ForwardWait {
                 }));
             self.answered += filled;
         }
-        self.answered >= self.ops()
+        self.all_answered()
     }
 
     /// Answers ops of the section from a batch-answers section's entries
@@ -367,23 +426,26 @@ impl ForwardWait {
     pub fn answer_entries(&mut self, entries: &[u8]) -> Result<bool, FrameError> {
         let mut answers = BatchAnswers::new(entries);
         while let Some(index) = answers.peek_index()? {
-            let Some(part) = self.part_of(index) else {
+            let Some((part, end)) = self.part_of(index) else {
                 answers.take_decision()?;
                 continue;
             };
-            let filled =
-                part.board
-                    .fill_entries(&part.slots, u64::from(part.first), &mut answers)?;
+            let slots = self.slots_of(u64::from(part.first), end);
+            let filled = part
+                .board
+                .fill_entries(slots, u64::from(part.first), &mut answers)?;
             self.answered += filled;
         }
-        Ok(self.answered >= self.ops())
+        Ok(self.all_answered())
     }
 
     /// Answers every op still waiting.
     pub fn fail(self, decision: WireDecision) {
-        for part in &self.parts {
+        for (at, part) in self.parts.iter().enumerate() {
+            let end = self.parts.get(at + 1).map_or(self.ops(), |next| next.first);
+            let slots = self.slots_of(u64::from(part.first), u64::from(end));
             part.board
-                .fill_many(part.slots.iter().map(|&slot| (slot, decision.clone())));
+                .fill_many(slots.iter().map(|&slot| (slot, decision.clone())));
         }
     }
 }
@@ -528,6 +590,26 @@ mod tests {
         assert_eq!(credits(&boards[0]), [Some(101), Some(100)]);
         assert_eq!(credits(&boards[1]), [Some(102)]);
         assert_eq!(credits(&boards[2]), [Some(104), Some(105), Some(103)]);
+    }
+
+    #[test]
+    fn a_wait_opened_past_its_sections_first_op_finds_each_ops_slot() {
+        // A wait that starts at op 5 of its section (the ops before it are
+        // not this wait's): ops 5-6 from the first board (slots 1, 0), 7
+        // from the second; op 2 and op 8 are no ops of the wait.
+        let boards: Vec<Arc<SlotBoard>> = [2, 1]
+            .iter()
+            .map(|&n| Arc::new(SlotBoard::new(vec![pending(4); n], Vec::new())))
+            .collect();
+        let mut wait = ForwardWait::new(3, part(&boards[0], 5, &[1, 0]), 1, Instant::now());
+        wait.join(part(&boards[1], 7, &[0]));
+        assert_eq!(wait.ops(), 8);
+        let answers = entries(&[(2, decided(2)), (5, decided(105)), (7, decided(107))]);
+        assert_eq!(wait.answer_entries(&answers), Ok(false));
+        assert!(wait.answer_many([(6, decided(106)), (8, decided(108))]));
+        assert_eq!(wait.answered, 3);
+        assert_eq!(credits(&boards[0]), [Some(106), Some(105)]);
+        assert_eq!(credits(&boards[1]), [Some(107)]);
     }
 
     #[test]
