@@ -175,8 +175,8 @@ impl SlotBoard {
             return false;
         }
         // A rule's decision, the common answer, is written in place; the
-        // rest are made out of line (a whole answer built there and copied
-        // in was a stall per forwarded hit, docs/benchmarks.md).
+        // rest are made out of line (built there and copied in, the common
+        // one cost a call and a copy per forwarded hit).
         if let WireDecision::Decided {
             allowed,
             credit,
@@ -361,10 +361,18 @@ impl ForwardWait {
         self.answered as usize >= self.slots.len()
     }
 
-    /// The slots of the ops `first..end` of the section (a part's).
+    /// The slots of the ops `first..end` of the section (a part's); none
+    /// if they are not this wait's (parts join where the section ended, so
+    /// that is a bug, answered by the batch's timeout rather than a panic
+    /// of the frame's thread).
     fn slots_of(&self, first: u64, end: u64) -> &[u32] {
         let base = u64::from(self.base);
-        &self.slots[(first - base) as usize..(end - base) as usize]
+        let (Some(from), Some(to)) = (first.checked_sub(base), end.checked_sub(base)) else {
+            return &[];
+        };
+        self.slots
+            .get(from as usize..to as usize)
+            .unwrap_or_default()
     }
 
     /// Adds a read batch's ops, appended to the section after its others.
