@@ -7,6 +7,7 @@
 
 use super::AsWanted;
 use crate::cluster::data_frames::{BatchAnswers, FrameError, Reader};
+use crate::cluster::outbox::FORWARD_SECTION_OPS_MAX;
 use crate::cluster::wire::{Answer, ShardRefusal, WireDecision};
 use crate::cluster::NodeId;
 use crate::limiter::droplet_bucket::{Balances, TakeOutcome};
@@ -340,7 +341,12 @@ impl ForwardWait {
         let mut wait = ForwardWait {
             peer,
             parts: Vec::with_capacity(WAIT_PARTS_INITIAL),
-            slots: Vec::with_capacity(WAIT_PARTS_INITIAL * part.slots.len()),
+            // Room for as many parts like this one as a section can join.
+            slots: Vec::with_capacity(
+                (WAIT_PARTS_INITIAL * part.slots.len())
+                    .min(FORWARD_SECTION_OPS_MAX as usize)
+                    .max(part.slots.len()),
+            ),
             base: part.first,
             answered: 0,
             frame,
