@@ -98,29 +98,25 @@ impl BatchBuffers {
     }
 }
 
-/// Encoded-ops buffers given back by finished boards, for the thread's next
-/// batches: a buffer recently written is still cached, where a fresh 2 KiB
-/// one from the allocator was written for the first time by each forwarding
-/// batch (about 5 ns per hit of fast mode's time; docs/benchmarks.md,
-/// "Twenty-first round").
-struct SpareOps {
-    buffers: Vec<Vec<u8>>,
+thread_local! {
+    /// Encoded-ops buffers given back by finished boards, for the thread's
+    /// next batches: a buffer recently written is still cached, where a
+    /// fresh 2 KiB one from the allocator was written for the first time by
+    /// each forwarding batch (about 5 ns per hit of fast mode's time;
+    /// docs/benchmarks.md, "Twenty-first round").
+    static SPARE_OPS: std::cell::RefCell<Vec<Vec<u8>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Most buffers a thread keeps in [`SpareOps`] (about one per connection
+/// Most buffers a thread keeps in `SPARE_OPS` (about one per connection
 /// it serves with a batch in flight), and the largest it keeps.
 const SPARE_OPS_BUFFERS_MAX: usize = 64;
 const SPARE_OPS_BYTES_MAX: usize = 16 * 1024;
 
-thread_local! {
-    static SPARE_OPS: std::cell::RefCell<SpareOps> =
-        const { std::cell::RefCell::new(SpareOps { buffers: Vec::new() }) };
-}
-
 /// An empty encoded-ops buffer: a spare one when the thread has one.
 fn spare_ops() -> Vec<u8> {
     SPARE_OPS
-        .try_with(|spare| spare.borrow_mut().buffers.pop())
+        .try_with(|spare| spare.borrow_mut().pop())
         .ok()
         .flatten()
         .unwrap_or_default()
@@ -136,8 +132,8 @@ fn keep_spare_ops(mut ops: Vec<u8>) {
     // A thread being torn down has no spares to keep.
     let _ = SPARE_OPS.try_with(|spare| {
         let mut spare = spare.borrow_mut();
-        if spare.buffers.len() < SPARE_OPS_BUFFERS_MAX {
-            spare.buffers.push(ops);
+        if spare.len() < SPARE_OPS_BUFFERS_MAX {
+            spare.push(ops);
         }
     });
 }

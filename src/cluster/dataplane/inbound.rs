@@ -412,9 +412,8 @@ impl DataPlane {
         states.clear();
         for _ in 0..header.count {
             let key = reader.bytes()?;
-            // Where the key lies in the frame (the reader's bytes are the
-            // frame's).
-            let at = key.as_ptr() as usize - body.as_ptr() as usize;
+            // Where the key lies in the frame: just before what is left.
+            let at = body.len() - reader.remaining() - key.len();
             states.push((at, key.len(), reader.state()?));
         }
         let states = || {

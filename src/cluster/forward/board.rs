@@ -58,6 +58,11 @@ pub struct SlotBoard {
     waker: AtomicWaker,
 }
 
+/// A slot's answer from its decision. A rule's decision, the common one,
+/// is made inline where the slot is filled; the rest out of line (built
+/// there and copied in, the common one cost a call and a copy per
+/// forwarded hit).
+#[inline(always)]
 pub(super) fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
     match decision {
         WireDecision::Decided {
@@ -69,6 +74,14 @@ pub(super) fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
             credit,
             next_reset_seconds,
         }))),
+        rare => rare_result_of(shard, rare),
+    }
+}
+
+#[inline(never)]
+fn rare_result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
+    match decision {
+        decided @ WireDecision::Decided { .. } => result_of(shard, decided),
         WireDecision::Bucket { accept, balances } => {
             SlotAnswer::Done(Ok(Answer::bucket(TakeOutcome {
                 accept,
@@ -174,22 +187,6 @@ impl SlotBoard {
         };
         if !matches!(entry.answer, SlotAnswer::Pending) {
             return false;
-        }
-        // A rule's decision, the common answer, is written in place; the
-        // rest are made out of line (built there and copied in, the common
-        // one cost a call and a copy per forwarded hit).
-        if let WireDecision::Decided {
-            allowed,
-            credit,
-            next_reset_seconds,
-        } = decision
-        {
-            entry.answer = SlotAnswer::Done(Ok(Answer::Hit(Decision {
-                allowed,
-                credit,
-                next_reset_seconds,
-            })));
-            return true;
         }
         entry.answer = result_of(entry.shard, decision);
         if matches!(entry.answer, SlotAnswer::Retry(_)) {
@@ -400,12 +397,16 @@ impl ForwardWait {
         let after = self
             .parts
             .partition_point(|part| u64::from(part.first) <= index);
-        let part = self.parts.get(after.checked_sub(1)?)?;
-        let end = self
-            .parts
-            .get(after)
-            .map_or(u64::from(self.ops()), |next| u64::from(next.first));
-        (index < end).then_some((part, end))
+        let at = after.checked_sub(1)?;
+        let end = self.part_end(at);
+        (index < end).then_some((&self.parts[at], end))
+    }
+
+    /// Where the ops of part `at` end: where the next part's start.
+    fn part_end(&self, at: usize) -> u64 {
+        self.parts
+            .get(at + 1)
+            .map_or(u64::from(self.ops()), |next| u64::from(next.first))
     }
 
     /// Answers ops of the section (by index, in increasing order: a run of
@@ -456,8 +457,7 @@ impl ForwardWait {
     /// Answers every op still waiting.
     pub fn fail(self, decision: WireDecision) {
         for (at, part) in self.parts.iter().enumerate() {
-            let end = self.parts.get(at + 1).map_or(self.ops(), |next| next.first);
-            let slots = self.slots_of(u64::from(part.first), u64::from(end));
+            let slots = self.slots_of(u64::from(part.first), self.part_end(at));
             part.board
                 .fill_many(slots.iter().map(|&slot| (slot, decision.clone())));
         }
