@@ -15,7 +15,8 @@
 #    straight to its shard's leader); five nodes strict (nodes 4 and 5
 #    joined with `cluster add-node`), then again with CONNECTIONS x 25/9
 #    connections (as many hits in flight per peer link as three nodes
-#    have); then one node again. The ratios to one node use the mean of its
+#    have); five nodes strict with ring placement (`placement = ring`,
+#    nodes 4 and 5 joined likewise); then one node again. The ratios to one node use the mean of its
 #    two runs: a single run of it swung the ratios by up to 15 % from one
 #    bench to the next. Every hit is admitted (the rule has a
 #    huge limit), so every hit is replicated: the worst case. One generator
@@ -264,6 +265,18 @@ for mode in strict fast aware; do
   "$ROOT/cluster/local.sh" down > /dev/null
   rm -rf "$RUN_DIR"
 done
+echo "five nodes, strict, ring placement (nodes 4 and 5 join)" >&2
+export PLACEMENT=ring
+CONSISTENCY=strict "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-ring.txt"
+wait_balanced "$TOLLGATE" 3
+"$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-ring-4.txt"
+"$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-ring-5.txt"
+wait_first_replicas_lead "$TOLLGATE"
+cluster_run five-ring 5
+"$ROOT/cluster/local.sh" status > "$OUT_DIR/status-ring.txt" || true
+"$ROOT/cluster/local.sh" down > /dev/null
+rm -rf "$RUN_DIR"
+unset PLACEMENT
 single_run single-again
 
 # Step 3: open loop at a third of the strict cluster's maximum.
@@ -364,6 +377,7 @@ rows = {}
 for name, label in [("single", "one node"), ("strict", "three nodes, strict"), ("fast", "three nodes, fast"),
                     ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
                     ("five-scaled", "five nodes, strict, {connections} connections"),
+                    ("five-ring", "five nodes, strict, ring placement"),
                     ("single-again", "one node, again (after the clusters)")]:
     r = runs(name)
     label = label.format(connections=sum(x["config"]["connections"] for x in r))
@@ -399,7 +413,7 @@ print("Data path during the measured window (all nodes together):")
 print()
 print("| setup | rounds/s | states per round | states per shard section | hits per forwarded batch | frames per write | writes per hit |")
 print("|---|---:|---:|---:|---:|---:|---:|")
-for name in ("strict", "fast", "aware", "five", "five-scaled"):
+for name in ("strict", "fast", "aware", "five", "five-scaled", "five-ring"):
     s = rows[name]["stats"]
     if not s:
         continue
@@ -447,6 +461,8 @@ print(f"| idle three-node cluster | {idle:.1f}% of a core | <= 3% |")
 print(f"| five nodes strict: CPU per hit / three nodes' | {rows['five']['cpu'] / rows['strict']['cpu']:.2f}x | <= 1.15x |")
 print(f"| (five nodes strict with as many hits in flight per peer link as three: CPU per hit / three nodes') | "
       f"{rows['five-scaled']['cpu'] / rows['strict']['cpu']:.2f}x | context |")
+print(f"| five nodes strict, ring placement: CPU per hit / three nodes' | "
+      f"{rows['five-ring']['cpu'] / rows['strict']['cpu']:.2f}x | <= 1.15x |")
 print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms | <= 2 ms |")
 if failover_ms:
     ms = sorted(failover_ms)

@@ -22,7 +22,8 @@
 # else target/debug/tollgate, else tollgate on PATH), RULES (a rule file;
 # default: the embedded example rules), SHARDS (64), CONSISTENCY (strict or
 # fast), EXTRA_ARGS (more `tollgate serve` flags, e.g. `--fsync batch`),
-# DATA_DIRS (`none`: no data dirs, counters in memory only).
+# DATA_DIRS (`none`: no data dirs, counters in memory only), PLACEMENT
+# (`spread`, the default, or `ring`: the cluster file's `placement`).
 set -euo pipefail
 
 BASE_PORT=${BASE_PORT:-8321}
@@ -57,6 +58,7 @@ write_cluster_file() {
     echo "[cluster]"
     echo "shards = $SHARDS"
     echo "replicas = 3"
+    if [[ -n "${PLACEMENT:-}" ]]; then echo "placement = $PLACEMENT"; fi
     for n in $(seq 1 $NODES); do
       echo
       echo "[node $n]"

@@ -8,13 +8,14 @@
 //! [cluster]
 //! shards = 64      ; fixed for the cluster's life
 //! replicas = 3     ; capped at the number of nodes
+//! placement = spread ; or ring (see `placement.rs`)
 //!
 //! [node 1]
 //! client = 127.0.0.1:8321
 //! peer = 127.0.0.1:9321
 //! ```
 
-use super::placement::{stable_hash, Placement};
+use super::placement::{stable_hash, Placement, PlacementKind};
 use super::NodeId;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -94,6 +95,7 @@ pub struct NodeAddresses {
 pub struct ClusterFile {
     pub shards: u32,
     pub replicas: usize,
+    pub placement: PlacementKind,
     pub nodes: BTreeMap<NodeId, NodeAddresses>,
 }
 
@@ -112,6 +114,7 @@ impl ClusterFile {
         let mut file = ClusterFile {
             shards: DEFAULT_SHARDS,
             replicas: DEFAULT_REPLICAS,
+            placement: PlacementKind::default(),
             nodes: BTreeMap::new(),
         };
         let mut seen_addresses: BTreeMap<SocketAddr, NodeId> = BTreeMap::new();
@@ -152,6 +155,13 @@ impl ClusterFile {
                                 .filter(|&n: &usize| n >= 1)
                                 .ok_or_else(|| {
                                 section_error(format!("replicas must be ≥ 1, got '{value}'"))
+                            })?;
+                        }
+                        "placement" => {
+                            file.placement = PlacementKind::parse(value).ok_or_else(|| {
+                                section_error(format!(
+                                    "placement must be 'spread' or 'ring', got '{value}'"
+                                ))
                             })?;
                         }
                         other => return Err(section_error(format!("unknown key '{other}'"))),
@@ -207,10 +217,11 @@ impl ClusterFile {
     }
 
     pub fn placement(&self) -> Placement {
-        Placement::new(
+        Placement::with_kind(
             self.shards,
             self.replicas,
             self.nodes.keys().copied().collect(),
+            self.placement,
         )
     }
 
@@ -240,11 +251,17 @@ impl ClusterFile {
     }
 
     /// A fingerprint of the layout every node must agree on for the
-    /// cluster's life (shards and replicas). The member list is not in it:
-    /// members change at run time (see `members.rs`), and a node added later
-    /// may list itself where the others do not.
+    /// cluster's life (shards, replicas, placement). The member list is not
+    /// in it: members change at run time (see `members.rs`), and a node
+    /// added later may list itself where the others do not. The default
+    /// placement adds nothing, so nodes of earlier versions (which place
+    /// shards that way) still agree.
     pub fn layout_fingerprint(&self) -> u64 {
-        let text = format!("shards={} replicas={}", self.shards, self.replicas);
+        let mut text = format!("shards={} replicas={}", self.shards, self.replicas);
+        if self.placement != PlacementKind::Spread {
+            text.push_str(" placement=");
+            text.push_str(self.placement.name());
+        }
         stable_hash(FINGERPRINT_SEED, text.as_bytes())
     }
 }
@@ -312,6 +329,10 @@ peer = 127.0.0.1:9323
             ("[node 1]\nclient=localhost:1\npeer=127.0.0.1:2\n", "must be IP:PORT"),
             ("[nodes]\n", "unknown section"),
             (
+                "[cluster]\nplacement = rings\n[node 1]\nclient=127.0.0.1:1\npeer=127.0.0.1:2\n",
+                "placement must be 'spread' or 'ring', got 'rings'",
+            ),
+            (
                 "[node 1]\nclient=127.0.0.1:1\npeer=127.0.0.1:2\n[node 2]\nclient=127.0.0.1:2\npeer=127.0.0.1:3\n",
                 "used twice",
             ),
@@ -355,7 +376,28 @@ peer = 127.0.0.1:9323
         other.replicas = 2;
         assert_ne!(file.layout_fingerprint(), other.layout_fingerprint());
         let mut other = file.clone();
+        other.placement = PlacementKind::Ring;
+        assert_ne!(file.layout_fingerprint(), other.layout_fingerprint());
+        let mut other = file.clone();
         other.nodes.remove(&3);
         assert_eq!(file.layout_fingerprint(), other.layout_fingerprint());
+        // The default placement's fingerprint is the one nodes made before
+        // placements had a kind, so a rolling upgrade keeps them agreeing.
+        assert_eq!(
+            file.layout_fingerprint(),
+            stable_hash(FINGERPRINT_SEED, b"shards=8 replicas=3")
+        );
+    }
+
+    #[test]
+    fn placement_is_read_from_the_cluster_section() {
+        let ring = THREE.replace("replicas = 3", "replicas = 3\nplacement = ring");
+        let file = ClusterFile::parse(&ring).unwrap();
+        assert_eq!(file.placement, PlacementKind::Ring);
+        assert_eq!(file.placement().kind(), PlacementKind::Ring);
+        assert_eq!(
+            ClusterFile::parse(THREE).unwrap().placement,
+            PlacementKind::Spread
+        );
     }
 }

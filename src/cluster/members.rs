@@ -46,8 +46,13 @@ impl Members {
     }
 
     /// Where shards should live under this list.
-    pub fn placement(&self, shards: u32, replicas: usize) -> Placement {
-        Placement::new(shards, replicas, self.nodes.keys().copied().collect())
+    pub fn placement(&self, layout: &ClusterFile) -> Placement {
+        Placement::with_kind(
+            layout.shards,
+            layout.replicas,
+            self.nodes.keys().copied().collect(),
+            layout.placement,
+        )
     }
 
     /// The next version with `id` added, made on node `origin`.
@@ -116,6 +121,7 @@ impl Members {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::placement::PlacementKind;
 
     fn addresses(port: u16) -> NodeAddresses {
         NodeAddresses {
@@ -175,12 +181,25 @@ mod tests {
     fn placement_follows_the_member_list() {
         let base = three();
         let grown = base.with_node(4, addresses(8324), 1).unwrap();
-        assert_eq!(grown.placement(16, 3).nodes(), &[1, 2, 3, 4]);
-        let moved = (0..16)
-            .filter(|&s| {
-                base.placement(16, 3).replicas_of(s) != grown.placement(16, 3).replicas_of(s)
-            })
-            .count();
-        assert!(moved > 0 && moved < 16, "{moved} of 16 shards move");
+        for kind in [PlacementKind::Spread, PlacementKind::Ring] {
+            let layout = ClusterFile {
+                shards: 16,
+                replicas: 3,
+                placement: kind,
+                nodes: BTreeMap::new(),
+            };
+            assert_eq!(grown.placement(&layout).nodes(), &[1, 2, 3, 4]);
+            assert_eq!(grown.placement(&layout).kind(), kind);
+            let moved = (0..16)
+                .filter(|&s| {
+                    base.placement(&layout).replicas_of(s)
+                        != grown.placement(&layout).replicas_of(s)
+                })
+                .count();
+            assert!(
+                moved > 0 && moved < 16,
+                "{kind:?}: {moved} of 16 shards move"
+            );
+        }
     }
 }

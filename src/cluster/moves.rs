@@ -14,6 +14,7 @@
 use super::dataplane::replicas_held;
 use super::leadership::{self, refresh_config};
 use super::node::{ClusterNode, PEER_POLL_INTERVAL_MS, STATUS_TIMEOUT_MS};
+use super::placement::PlacementKind;
 use super::plan::{plan, ClusterView, FollowedShard, LedShard, ShardWork};
 use super::replica::Replica;
 use super::NodeId;
@@ -209,12 +210,18 @@ impl ClusterNode {
                 })
             };
             if let Some((voters, learners)) = led_sets {
+                let preferred = target_orders
+                    .1
+                    .get(shard as usize)
+                    .and_then(|order| order.first())
+                    .copied();
                 led.push(LedShard {
                     shard,
                     voters,
                     learners,
                     target,
                     busy: moving.contains(&shard),
+                    preferred,
                 });
             } else {
                 let listed_by_leader = views
@@ -254,6 +261,7 @@ impl ClusterNode {
             recovering,
             free_slots: self.shard_moves_max.saturating_sub(moving.len()),
             may_balance: self.leader_balance && cooled && moving.is_empty(),
+            restore_preferred: target_orders.0.kind() == PlacementKind::Ring,
         }
     }
 

@@ -160,7 +160,7 @@ impl ClusterNode {
     }
 
     fn targets_of(file: &ClusterFile, members: &Members) -> Arc<(Placement, Vec<Vec<NodeId>>)> {
-        let placement = members.placement(file.shards, file.replicas);
+        let placement = members.placement(file);
         let orders = placement.leader_orders();
         Arc::new((placement, orders))
     }
@@ -557,8 +557,8 @@ impl ClusterNode {
                 )
             }
         };
-        let before = current.placement(self.file.shards, self.file.replicas);
-        let after = next.placement(self.file.shards, self.file.replicas);
+        let before = current.placement(&self.file);
+        let after = next.placement(&self.file);
         let moves = (0..self.file.shards)
             .filter(|&s| before.replicas_of(s) != after.replicas_of(s))
             .count();

@@ -89,7 +89,7 @@ fn check_hello(ours: &Hello, theirs: &Hello) -> Result<(), String> {
     }
     if theirs.layout_fingerprint != ours.layout_fingerprint {
         return Err(format!(
-            "cluster layouts differ between node {} and node {}; the [cluster] section (shards, replicas) must be identical on every node",
+            "cluster layouts differ between node {} and node {}; the [cluster] section (shards, replicas, placement) must be identical on every node",
             theirs.node_id, ours.node_id
         ));
     }

@@ -11,6 +11,14 @@
 //! the node scores and the memory store's stripe hash (ahash, in
 //! `store::memory`) use independent seeds, so their distributions do not
 //! correlate.
+//!
+//! With `placement = ring` ([`PlacementKind::Ring`]) a shard's replicas are
+//! instead a run of consecutive members (by id, wrapping) from its *first*
+//! replica, which leads it; first replicas are chosen by the same scores,
+//! each node taking at most its share. A node's led shards then replicate to
+//! its next `replicas - 1` members only, so its rounds and the acks they
+//! bring go to two peers whatever the cluster's size (docs/cluster.md,
+//! "Placement").
 
 use super::NodeId;
 use crate::rules::CounterId;
@@ -89,6 +97,41 @@ fn shard_hash(key: &[u8]) -> u64 {
     stable_hash_finish(stable_hash_continue(state, rest))
 }
 
+/// How a shard's replicas are chosen (the cluster file's `placement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlacementKind {
+    /// The `replicas` best-scoring nodes (rendezvous hashing): a node shares
+    /// its shards with every other node, so a failed node's leadership
+    /// spreads over all of them.
+    #[default]
+    Spread,
+    /// A run of consecutive members from the shard's first replica (see the
+    /// module doc): a node's led shards replicate to its next
+    /// `replicas - 1` members only, so each of its rounds fans out to that
+    /// many peers at any cluster size; a failed node's leadership goes to
+    /// those members.
+    Ring,
+}
+
+impl PlacementKind {
+    /// The name the cluster file uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlacementKind::Spread => "spread",
+            PlacementKind::Ring => "ring",
+        }
+    }
+
+    /// Parses a cluster file's `placement` value.
+    pub fn parse(text: &str) -> Option<PlacementKind> {
+        match text.trim() {
+            "spread" => Some(PlacementKind::Spread),
+            "ring" => Some(PlacementKind::Ring),
+            _ => None,
+        }
+    }
+}
+
 /// The shard map of one cluster: shard count, replication factor, members.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -96,18 +139,82 @@ pub struct Placement {
     replicas: usize,
     /// Member node ids, sorted.
     nodes: Vec<NodeId>,
+    kind: PlacementKind,
+    /// Ring placement: each shard's replicas, its first replica first
+    /// (computed once: the first replicas depend on every shard's choice).
+    ring: Vec<Vec<NodeId>>,
 }
 
 impl Placement {
     /// `shards` ≥ 1; `replicas` is capped at the number of nodes.
-    pub fn new(shards: u32, replicas: usize, mut nodes: Vec<NodeId>) -> Placement {
+    pub fn new(shards: u32, replicas: usize, nodes: Vec<NodeId>) -> Placement {
+        Placement::with_kind(shards, replicas, nodes, PlacementKind::Spread)
+    }
+
+    /// A placement of `kind` (see [`PlacementKind`]).
+    pub fn with_kind(
+        shards: u32,
+        replicas: usize,
+        mut nodes: Vec<NodeId>,
+        kind: PlacementKind,
+    ) -> Placement {
         nodes.sort_unstable();
         nodes.dedup();
-        Placement {
+        let mut placement = Placement {
             shards: shards.max(1),
             replicas: replicas.clamp(1, nodes.len().max(1)),
             nodes,
+            kind,
+            ring: Vec::new(),
+        };
+        if kind == PlacementKind::Ring {
+            placement.ring = placement.ring_replicas();
         }
+        placement
+    }
+
+    pub fn kind(&self) -> PlacementKind {
+        self.kind
+    }
+
+    /// Ring placement's replicas of every shard: shard by shard, the
+    /// best-scoring member still below its share is first (shares are
+    /// shards ÷ members, the remainder's members one more), then the
+    /// members after it by id, wrapping.
+    fn ring_replicas(&self) -> Vec<Vec<NodeId>> {
+        let members = self.nodes.len();
+        if members == 0 {
+            return vec![Vec::new(); self.shards as usize];
+        }
+        let (share, mut larger_shares) = (
+            self.shards as usize / members,
+            self.shards as usize % members,
+        );
+        let mut firsts = vec![0usize; members];
+        let mut ranked: Vec<(u64, usize)> = Vec::with_capacity(members);
+        (0..self.shards)
+            .map(|shard| {
+                ranked.clear();
+                ranked.extend(
+                    (0..members).map(|at| (u64::MAX - Self::score(shard, self.nodes[at]), at)),
+                );
+                ranked.sort_unstable();
+                // The shares add up to the shards, so some member has room.
+                let room = |count: usize| count < share || (count == share && larger_shares > 0);
+                let first = ranked
+                    .iter()
+                    .map(|&(_, at)| at)
+                    .find(|&at| room(firsts[at]))
+                    .unwrap_or(ranked[0].1);
+                if firsts[first] == share {
+                    larger_shares -= 1;
+                }
+                firsts[first] += 1;
+                (0..self.replicas)
+                    .map(|step| self.nodes[(first + step) % members])
+                    .collect()
+            })
+            .collect()
     }
 
     pub fn shards(&self) -> u32 {
@@ -138,8 +245,12 @@ impl Placement {
         stable_hash(NODE_SEED, &bytes)
     }
 
-    /// The nodes replicating `shard`, best score first (ties by id).
+    /// The nodes replicating `shard`: best score first (ties by id), or
+    /// with ring placement its first replica, then the members after it.
     pub fn replicas_of(&self, shard: u32) -> Vec<NodeId> {
+        if self.kind == PlacementKind::Ring {
+            return self.ring.get(shard as usize).cloned().unwrap_or_default();
+        }
         let mut scored: Vec<(u64, NodeId)> = self
             .nodes
             .iter()
@@ -153,12 +264,16 @@ impl Placement {
             .collect()
     }
 
-    /// The shards `node` replicates.
     /// For every shard, its replicas in the order they should lead it: the
     /// first is chosen so that first choices spread evenly over the nodes
     /// (shard by shard, the replica first for the fewest shards so far),
-    /// the rest follow in replica order. Every node computes the same.
+    /// the rest follow in replica order. With ring placement, the replicas
+    /// in ring order: each shard's first replica leads it (first replicas
+    /// are spread evenly by construction). Every node computes the same.
     pub fn leader_orders(&self) -> Vec<Vec<NodeId>> {
+        if self.kind == PlacementKind::Ring {
+            return self.ring.clone();
+        }
         let mut firsts: std::collections::BTreeMap<NodeId, usize> =
             std::collections::BTreeMap::new();
         (0..self.shards)
@@ -179,6 +294,7 @@ impl Placement {
             .collect()
     }
 
+    /// The shards `node` replicates.
     pub fn shards_of_node(&self, node: NodeId) -> Vec<u32> {
         (0..self.shards)
             .filter(|&shard| self.replicas_of(shard).contains(&node))
@@ -338,6 +454,88 @@ mod tests {
                 assert!(kept.iter().all(|n| new.contains(n)));
             }
         }
+    }
+
+    fn ring(shards: u32, nodes: &[NodeId]) -> Placement {
+        Placement::with_kind(shards, 3, nodes.to_vec(), PlacementKind::Ring)
+    }
+
+    #[test]
+    fn ring_replicas_are_consecutive_members_led_by_the_first_spread_evenly() {
+        for nodes in [
+            vec![1, 2, 3],
+            vec![1, 2, 3, 4, 5],
+            vec![2, 3, 5, 8, 13, 21, 34],
+        ] {
+            let placement = ring(64, &nodes);
+            let orders = placement.leader_orders();
+            let share = 64 / nodes.len();
+            let mut firsts: HashMap<NodeId, usize> = HashMap::new();
+            for shard in 0..64 {
+                let replicas = placement.replicas_of(shard);
+                assert_eq!(orders[shard as usize], replicas, "led by its first replica");
+                let at = nodes.iter().position(|&n| n == replicas[0]).unwrap();
+                let run: Vec<NodeId> = (0..3).map(|k| nodes[(at + k) % nodes.len()]).collect();
+                assert_eq!(replicas, run, "shard {shard}: consecutive members");
+                *firsts.entry(replicas[0]).or_default() += 1;
+            }
+            // Every member leads its share (shards ÷ members, or one more).
+            assert_eq!(firsts.len(), nodes.len(), "{firsts:?}");
+            assert!(
+                firsts.values().all(|&c| c == share || c == share + 1),
+                "{firsts:?}"
+            );
+            // A member's led shards replicate to its next two members only.
+            for (at, &node) in nodes.iter().enumerate() {
+                let peers: std::collections::BTreeSet<NodeId> = (0..64)
+                    .filter(|&s| placement.replicas_of(s)[0] == node)
+                    .flat_map(|s| placement.replicas_of(s).into_iter().skip(1))
+                    .collect();
+                let next: std::collections::BTreeSet<NodeId> =
+                    (1..3).map(|k| nodes[(at + k) % nodes.len()]).collect();
+                assert_eq!(peers, next, "node {node}");
+            }
+        }
+    }
+
+    #[test]
+    fn ring_placement_is_the_same_on_every_node_and_capped_by_the_member_count() {
+        assert_eq!(ring(64, &[5, 1, 3, 2, 4]), ring(64, &[1, 2, 3, 4, 5]));
+        let two = ring(16, &[1, 2]);
+        for shard in 0..16 {
+            let mut replicas = two.replicas_of(shard);
+            replicas.sort_unstable();
+            assert_eq!(replicas, vec![1, 2]);
+        }
+        assert!(ring(4, &[]).replicas_of(0).is_empty());
+    }
+
+    #[test]
+    fn ring_placement_moves_a_bounded_part_of_the_replicas_when_a_node_joins() {
+        // Rendezvous moves a new node's share (3/6 of 1 024 shards gain it,
+        // about 512 replicas); the ring also changes the runs around the new
+        // member and the first replicas whose share shrank (670 here).
+        let before = ring(1024, &[1, 2, 3, 4, 5]);
+        let after = ring(1024, &[1, 2, 3, 4, 5, 6]);
+        let mut moved = 0;
+        for shard in 0..1024 {
+            let old = before.replicas_of(shard);
+            moved += after
+                .replicas_of(shard)
+                .iter()
+                .filter(|n| !old.contains(n))
+                .count();
+        }
+        assert!(moved <= 900, "moved {moved} replicas of 3 072");
+    }
+
+    #[test]
+    fn placement_kinds_parse_by_name() {
+        for kind in [PlacementKind::Spread, PlacementKind::Ring] {
+            assert_eq!(PlacementKind::parse(kind.name()), Some(kind));
+        }
+        assert_eq!(PlacementKind::parse(" ring "), Some(PlacementKind::Ring));
+        assert_eq!(PlacementKind::parse("rings"), None);
     }
 
     #[test]

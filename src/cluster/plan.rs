@@ -14,6 +14,11 @@
 //!   live nodes, rounded up) hands one settled shard to a live, caught-up
 //!   voter leading at least two fewer, one at a time, only while no shard
 //!   of this node moves and every shard has a leader.
+//! - With ring placement, leadership is *restored* first, under the same
+//!   conditions: a settled shard led here whose preferred leader (its first
+//!   replica) is another live, caught-up voter is handed to it, so that a
+//!   node's led shards keep replicating to its next members only after a
+//!   failover or a move (ring placement's preferred leaders are balanced).
 
 use super::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,6 +33,8 @@ pub struct LedShard {
     pub target: BTreeSet<NodeId>,
     /// A move or handover of it is running.
     pub busy: bool,
+    /// The replica that should lead it (the first of its leader order).
+    pub preferred: Option<NodeId>,
 }
 
 /// A replica here of a shard led elsewhere, as its leader last reported it.
@@ -56,6 +63,8 @@ pub struct ClusterView {
     pub free_slots: usize,
     /// Leader balancing is on and its cool-down is over.
     pub may_balance: bool,
+    /// Shards go back to their preferred leaders (ring placement).
+    pub restore_preferred: bool,
 }
 
 /// Work on one shard.
@@ -135,7 +144,8 @@ pub fn plan(view: &ClusterView) -> Vec<ShardWork> {
     work
 }
 
-/// One balancing handover, if this node leads more than its share.
+/// One balancing handover: a shard back to its preferred leader (ring
+/// placement), else one off this node if it leads more than its share.
 fn balance(view: &ClusterView, slots: usize) -> Option<ShardWork> {
     if !view.may_balance || slots == 0 || view.led.iter().any(|l| l.busy || !l.settled()) {
         return None;
@@ -145,6 +155,24 @@ fn balance(view: &ClusterView, slots: usize) -> Option<ShardWork> {
         || !view.live.contains(&view.me)
     {
         return None; // An election is under way, or nobody to share with.
+    }
+    if view.restore_preferred {
+        let restored = view.led.iter().find_map(|led| {
+            let preferred = led.preferred.filter(|&p| {
+                p != view.me
+                    && led.voters.contains(&p)
+                    && view.live.contains(&p)
+                    && !view.recovering.contains(&(p, led.shard))
+            })?;
+            Some(ShardWork::HandOver {
+                shard: led.shard,
+                successor: preferred,
+                balancing: true,
+            })
+        });
+        if restored.is_some() {
+            return restored;
+        }
     }
     let mut leads: BTreeMap<NodeId, usize> = BTreeMap::new();
     for &leader in view.leaders.values() {
@@ -194,6 +222,7 @@ mod tests {
             learners: BTreeSet::new(),
             target: set(target),
             busy: false,
+            preferred: None,
         }
     }
 
@@ -323,11 +352,50 @@ mod tests {
         assert!(super::plan(&v).is_empty());
     }
 
+    #[test]
+    fn ring_placement_hands_a_shard_back_to_its_preferred_leader() {
+        // Node 2 leads its share (2 of 4) but shard 1 prefers node 3.
+        let mut shards: Vec<LedShard> = (0..2).map(|s| led(s, &[1, 2, 3], &[1, 2, 3])).collect();
+        shards[0].preferred = Some(2);
+        shards[1].preferred = Some(3);
+        let mut v = view(2, shards);
+        v.live = set(&[1, 2, 3]);
+        v.leaders = [(0, 2), (1, 2), (2, 1), (3, 3)].into_iter().collect();
+        v.may_balance = true;
+        // Spread placement: within its share, nothing to do.
+        assert!(plan(&v).is_empty());
+        v.restore_preferred = true;
+        assert_eq!(
+            plan(&v),
+            vec![ShardWork::HandOver {
+                shard: 1,
+                successor: 3,
+                balancing: true
+            }]
+        );
+        // Not to a preferred leader catching up, down, or not a voter, nor
+        // while balancing waits (cool-down, a move).
+        v.recovering.insert((3, 1));
+        assert!(plan(&v).is_empty());
+        v.recovering.clear();
+        v.live.remove(&3);
+        assert!(plan(&v).is_empty());
+        v.live.insert(3);
+        v.led[1].voters = set(&[1, 2, 4]);
+        v.led[1].target = set(&[1, 2, 4]);
+        assert!(plan(&v).is_empty());
+        v.led[1].voters = set(&[1, 2, 3]);
+        v.led[1].target = set(&[1, 2, 3]);
+        v.may_balance = false;
+        assert!(plan(&v).is_empty());
+    }
+
     proptest! {
         /// Whatever the view: no more moves and handovers than free slots,
         /// none on a busy shard, handovers only to live voters other than
         /// this node, at most one balancing handover, and balancing only
-        /// from a node leading more than its share.
+        /// from a node leading more than its share or, with ring placement,
+        /// to a shard's preferred leader.
         #[test]
         fn plans_keep_their_invariants(
             me in 1u64..5,
@@ -339,6 +407,7 @@ mod tests {
             live in proptest::collection::btree_set(1u64..6, 0..6),
             free_slots in 0usize..3,
             may_balance in any::<bool>(),
+            restore_preferred in any::<bool>(),
             leaders in proptest::collection::vec(1u64..6, 0..8),
         ) {
             let led: Vec<LedShard> = shards
@@ -347,7 +416,8 @@ mod tests {
                 .map(|(i, (voters, target, busy))| {
                     let mut voters = voters.clone();
                     voters.insert(me);
-                    LedShard { shard: i as u32, voters, learners: BTreeSet::new(), target: target.clone(), busy: *busy }
+                    let preferred = target.iter().next().copied();
+                    LedShard { shard: i as u32, voters, learners: BTreeSet::new(), target: target.clone(), busy: *busy, preferred }
                 })
                 .collect();
             let view = ClusterView {
@@ -360,6 +430,7 @@ mod tests {
                 recovering: BTreeSet::new(),
                 free_slots,
                 may_balance,
+                restore_preferred,
             };
             let work = plan(&view);
             let started = work.iter().filter(|w| !matches!(w, ShardWork::Retire { .. })).count();
@@ -379,7 +450,13 @@ mod tests {
                         if *b {
                             balancing += 1;
                             let mine = leaders.iter().filter(|&&l| l == me).count();
-                            prop_assert!(mine > leaders.len().div_ceil(live.len().max(1)));
+                            // A restore hands a shard to its preferred
+                            // leader; a balancing handover sheds leadership
+                            // above the share.
+                            prop_assert!(
+                                (restore_preferred && shard.preferred == Some(*successor))
+                                    || mine > leaders.len().div_ceil(live.len().max(1))
+                            );
                         }
                     }
                     ShardWork::Retire { .. } => {}

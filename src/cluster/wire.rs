@@ -187,7 +187,7 @@ pub struct Hello {
     pub node_id: NodeId,
     /// The committed rule set this node serves (see `committed_rules.rs`).
     pub rules: RulesTag,
-    /// The `[cluster]` layout's fingerprint (shards, replicas).
+    /// The `[cluster]` layout's fingerprint (shards, replicas, placement).
     pub layout_fingerprint: u64,
     pub consistency: String,
     /// This process's incarnation: larger after every restart (start time

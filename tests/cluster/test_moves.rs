@@ -9,6 +9,8 @@
 //! hit, in request order; a read batch of hits decided at once and hits
 //! forwarded is answered in one write; and read batches that arrive while
 //! one waits for its answers, a `TOPOLOGY` among them, keep request order.
+//! And ring placement: each node's led shards stay on its next two members
+//! through a node's kill and return.
 
 use crate::cluster_support::*;
 use std::net::SocketAddr;
@@ -424,4 +426,82 @@ fn read_batches_behind_one_waiting_for_its_answers_keep_request_order() {
             );
         }
     }
+}
+
+/// Ring placement (`placement = ring`) on five nodes: each shard's replicas
+/// are its leader and the two members after it, so a node's rounds go to
+/// two peers; a killed node's shards are led by those two members, and its
+/// leadership comes back once it is back and caught up. Hits through every
+/// node count on one counter throughout.
+#[test]
+fn a_ring_cluster_keeps_each_nodes_led_shards_on_its_next_two_members() {
+    const SHARDS: u32 = 10;
+    let mut cluster = TestCluster::start_ring(5, SHARDS, &[]);
+    let run = |first: u64| -> Vec<u64> {
+        let mut run: Vec<u64> = (0..3).map(|step| (first - 1 + step) % 5 + 1).collect();
+        run.sort_unstable();
+        run
+    };
+    let assert_ring = |topology: &tollgate::cluster::status::Topology| {
+        let mut led: std::collections::BTreeMap<u64, u32> = Default::default();
+        for shard in &topology.placement {
+            let leader = shard.leader.expect("every shard led");
+            let mut replicas = shard.replicas.clone();
+            replicas.sort_unstable();
+            assert_eq!(
+                replicas,
+                run(leader),
+                "shard {} is not led by its first replica: {}",
+                shard.shard,
+                tollgate::cluster::status::render(topology)
+            );
+            *led.entry(leader).or_default() += 1;
+        }
+        assert!(
+            led.len() == 5 && led.values().all(|&count| count == 2),
+            "every node leads two shards: {led:?}"
+        );
+    };
+    let topology = cluster.wait_leaders_stable(Duration::from_secs(3), Duration::from_secs(60));
+    assert_ring(&topology);
+    let firsts_of_3: Vec<u32> = topology
+        .placement
+        .iter()
+        .filter(|s| s.leader == Some(3))
+        .map(|s| s.shard)
+        .collect();
+
+    // One counter, hit through every node.
+    let mut used = 0;
+    let mut hit_everywhere = |cluster: &TestCluster, live: &[u64]| {
+        for &node in live {
+            let answers = converse(
+                cluster.client(node),
+                &["HIT path=/limited user=ring".to_string()],
+            );
+            used += 1;
+            assert_eq!(
+                parse_ok(&answers[0]).map(|(allowed, credit, _)| (allowed, credit)),
+                Some((true, 200 - used)),
+                "hit {used} through node {node}: {answers:?}"
+            );
+        }
+    };
+    hit_everywhere(&cluster, &[1, 2, 3, 4, 5]);
+
+    cluster.kill(3);
+    let topology = cluster.wait_healthy(Duration::from_secs(30));
+    for shard in &firsts_of_3 {
+        let leader = topology.placement[*shard as usize].leader;
+        assert!(
+            matches!(leader, Some(4 | 5)),
+            "shard {shard} of node 3 is led by {leader:?}, not by node 4 or 5"
+        );
+    }
+    hit_everywhere(&cluster, &[1, 2, 4, 5]);
+
+    cluster.spawn(3, None);
+    let topology = cluster.wait_leaders_stable(Duration::from_secs(3), Duration::from_secs(60));
+    assert_ring(&topology);
+    hit_everywhere(&cluster, &[1, 2, 3, 4, 5]);
 }

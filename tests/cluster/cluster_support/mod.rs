@@ -163,19 +163,34 @@ impl TestCluster {
     /// `/metrics`, `/healthz` and `/readyz` on its own port
     /// ([`TestCluster::metrics_addr`]).
     pub fn start_observed(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, true, false, false)
+        Self::start_full(count, shards, args, proxied, true, false, false, "")
+    }
+
+    /// Like [`TestCluster::start`], with `placement = ring` in the cluster
+    /// file.
+    pub fn start_ring(count: usize, shards: u32, args: &[&str]) -> TestCluster {
+        Self::start_full(
+            count,
+            shards,
+            args,
+            false,
+            false,
+            false,
+            false,
+            "placement = ring\n",
+        )
     }
 
     /// Like [`TestCluster::start`], every node also serving Envoy's rate
     /// limit service on its own port ([`TestCluster::grpc_addr`]).
     pub fn start_grpc(count: usize, shards: u32, args: &[&str]) -> TestCluster {
-        Self::start_full(count, shards, args, false, false, true, false)
+        Self::start_full(count, shards, args, false, false, true, false, "")
     }
 
     /// Like [`TestCluster::start`], every node also serving droplet's
     /// WebSocket protocol on its own port ([`TestCluster::droplet_addr`]).
     pub fn start_droplet(count: usize, shards: u32, args: &[&str]) -> TestCluster {
-        Self::start_full(count, shards, args, false, false, false, true)
+        Self::start_full(count, shards, args, false, false, false, true, "")
     }
 
     /// Node `id`'s droplet endpoint (clusters started with `start_droplet`).
@@ -195,9 +210,11 @@ impl TestCluster {
     }
 
     fn start_with(count: usize, shards: u32, args: &[&str], proxied: bool) -> TestCluster {
-        Self::start_full(count, shards, args, proxied, false, false, false)
+        Self::start_full(count, shards, args, proxied, false, false, false, "")
     }
 
+    /// `layout`: more `[cluster]` lines of the cluster file.
+    #[allow(clippy::too_many_arguments)]
     fn start_full(
         count: usize,
         shards: u32,
@@ -206,6 +223,7 @@ impl TestCluster {
         observed: bool,
         grpc: bool,
         droplet: bool,
+        layout: &str,
     ) -> TestCluster {
         let dir = tempfile::tempdir().expect("temp dir");
         // Every port the nodes will bind (clients, peers, metrics) stays
@@ -241,7 +259,7 @@ impl TestCluster {
         } else {
             BTreeMap::new()
         };
-        let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n");
+        let mut cluster_file = format!("[cluster]\nshards = {shards}\nreplicas = 3\n{layout}");
         let mut nodes = Vec::new();
         for i in 0..count {
             let id = i as u64 + 1;
