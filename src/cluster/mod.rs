@@ -503,8 +503,13 @@ impl Cluster {
         } else {
             format!("joining, not a member yet: members {}", members.describe())
         };
+        let ring = if self.node.file.placement == placement::PlacementKind::Ring {
+            ", ring placement"
+        } else {
+            ""
+        };
         format!(
-            "cluster node {} ({membership}), {} shards x {} replicas ({} here), consistency {}",
+            "cluster node {} ({membership}), {} shards x {} replicas{ring} ({} here), consistency {}",
             self.node.id,
             self.node.file.shards,
             self.node.file.replicas,

@@ -66,6 +66,10 @@ pub struct Topology {
     pub consistency: String,
     pub shards: u32,
     pub replicas: usize,
+    /// How replicas are placed: `spread` or `ring` (the cluster file's
+    /// `placement`; empty from a node of an earlier version: `spread`).
+    #[serde(default)]
+    pub placement_kind: String,
     pub nodes: Vec<TopologyNode>,
     pub placement: Vec<TopologyShard>,
 }
@@ -175,6 +179,7 @@ pub async fn gather(node: &ClusterNode) -> Topology {
         consistency: node.hello.consistency.clone(),
         shards: node.file.shards,
         replicas: target.replicas(),
+        placement_kind: node.file.placement.name().to_string(),
         nodes,
         placement,
     }
@@ -205,9 +210,14 @@ fn render_rules(nodes: &[TopologyNode]) -> String {
 
 pub fn render(topology: &Topology) -> String {
     let mut out = String::new();
+    let ring = if topology.placement_kind == "ring" {
+        " (ring placement)"
+    } else {
+        ""
+    };
     let _ = writeln!(
         out,
-        "cluster: {} nodes, {} shards x {} replicas, consistency {} (answered by node {}, members epoch {})",
+        "cluster: {} nodes, {} shards x {} replicas{ring}, consistency {} (answered by node {}, members epoch {})",
         topology.nodes.len(),
         topology.shards,
         topology.replicas,

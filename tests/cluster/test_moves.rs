@@ -463,6 +463,12 @@ fn a_ring_cluster_keeps_each_nodes_led_shards_on_its_next_two_members() {
         );
     };
     let topology = cluster.wait_leaders_stable(Duration::from_secs(3), Duration::from_secs(60));
+    assert_eq!(topology.placement_kind, "ring");
+    let rendered = tollgate::cluster::status::render(&topology);
+    assert!(
+        rendered.contains("5 nodes, 10 shards x 3 replicas (ring placement), consistency strict"),
+        "{rendered}"
+    );
     assert_ring(&topology);
     let firsts_of_3: Vec<u32> = topology
         .placement
