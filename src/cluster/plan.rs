@@ -19,6 +19,8 @@
 //!   replica) is another live, caught-up voter is handed to it, so that a
 //!   node's led shards keep replicating to its next members only after a
 //!   failover or a move (ring placement's preferred leaders are balanced).
+//!   Balancing then sheds only shards whose first replica is another node
+//!   (a dead node's), never one it would get back at once.
 
 use super::NodeId;
 use std::collections::{BTreeMap, BTreeSet};
@@ -184,7 +186,10 @@ fn balance(view: &ClusterView, slots: usize) -> Option<ShardWork> {
         return None;
     }
     let mut best: Option<(usize, NodeId, u32)> = None;
-    for led in &view.led {
+    // Restoring: a shard this node is first replica of stays (its
+    // successor would hand it straight back).
+    let sheddable = |led: &&LedShard| !(view.restore_preferred && led.preferred == Some(view.me));
+    for led in view.led.iter().filter(sheddable) {
         for &voter in led
             .voters
             .iter()
@@ -390,6 +395,34 @@ mod tests {
         assert!(plan(&v).is_empty());
     }
 
+    #[test]
+    fn ring_placement_balancing_sheds_only_shards_whose_first_replica_is_elsewhere() {
+        // Node 2 leads its own two shards and two of node 1's (down): it
+        // sheds node 1's, never its own, which would come straight back.
+        let mut shards: Vec<LedShard> = (0..4).map(|s| led(s, &[1, 2, 3], &[1, 2, 3])).collect();
+        for (shard, first) in shards.iter_mut().zip([2, 2, 1, 1]) {
+            shard.preferred = Some(first);
+        }
+        let mut v = view(2, shards);
+        v.live = set(&[2, 3]);
+        v.leaders = (0..4).map(|s| (s, 2)).collect();
+        v.may_balance = true;
+        v.restore_preferred = true;
+        match plan(&v).as_slice() {
+            [ShardWork::HandOver {
+                shard,
+                successor: 3,
+                balancing: true,
+            }] => assert!(*shard >= 2, "shed its own shard {shard}"),
+            other => panic!("{other:?}"),
+        }
+        // With only its own shards over its share, it keeps them.
+        for shard in &mut v.led {
+            shard.preferred = Some(2);
+        }
+        assert!(plan(&v).is_empty());
+    }
+
     proptest! {
         /// Whatever the view: no more moves and handovers than free slots,
         /// none on a busy shard, handovers only to live voters other than
@@ -457,6 +490,9 @@ mod tests {
                                 (restore_preferred && shard.preferred == Some(*successor))
                                     || mine > leaders.len().div_ceil(live.len().max(1))
                             );
+                            // Restoring, a node never sheds a shard it is
+                            // first replica of.
+                            prop_assert!(!(restore_preferred && shard.preferred == Some(me)));
                         }
                     }
                     ShardWork::Retire { .. } => {}
