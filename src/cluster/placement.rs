@@ -15,10 +15,11 @@
 //! With `placement = ring` ([`PlacementKind::Ring`]) a shard's replicas are
 //! instead a run of consecutive members (by id, wrapping) from its *first*
 //! replica, which leads it; first replicas are chosen by the same scores,
-//! each node taking at most its share. A node's led shards then replicate to
-//! its next `replicas - 1` members only, so its rounds and the acks they
-//! bring go to two peers whatever the cluster's size (docs/cluster.md,
-//! "Placement").
+//! each node taking its share (shards ÷ members, or one more). A node's led
+//! shards then replicate to its next `replicas - 1` members only, so its
+//! rounds and the acks they bring go to that many peers (two with three
+//! replicas) whatever the cluster's size (docs/cluster.md, "Placement:
+//! spread or ring").
 
 use super::NodeId;
 use crate::rules::CounterId;
