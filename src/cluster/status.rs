@@ -6,6 +6,7 @@
 
 use super::committed_rules::RulesTag;
 use super::node::{ClusterNode, STATUS_TIMEOUT_MS};
+use super::placement::PlacementKind;
 use super::wire::NodeReport;
 use super::NodeId;
 use serde::{Deserialize, Serialize};
@@ -210,7 +211,7 @@ fn render_rules(nodes: &[TopologyNode]) -> String {
 
 pub fn render(topology: &Topology) -> String {
     let mut out = String::new();
-    let ring = if topology.placement_kind == "ring" {
+    let ring = if PlacementKind::parse(&topology.placement_kind) == Some(PlacementKind::Ring) {
         " (ring placement)"
     } else {
         ""
