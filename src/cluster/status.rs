@@ -53,6 +53,11 @@ pub struct TopologyShard {
     pub lag: BTreeMap<NodeId, u64>,
     /// Replicas that restarted and are still catching up.
     pub recovering: Vec<NodeId>,
+    /// With ring placement, the shard's first replica, which leads it
+    /// whenever it is up and caught up; `None` with spread placement (and
+    /// from a node of an earlier version).
+    #[serde(default)]
+    pub preferred_leader: Option<NodeId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +152,11 @@ pub async fn gather(node: &ClusterNode) -> Topology {
                 .filter(|(id, s)| s.leader == Some(*id))
                 .max_by_key(|(_, s)| s.term);
             let target_replicas = target.replicas_of(shard);
+            // A ring's run starts at its first replica (spread placement
+            // has no leader of choice per shard).
+            let preferred_leader = (target.kind() == PlacementKind::Ring)
+                .then(|| target_replicas.first().copied())
+                .flatten();
             let mut replicas = leading
                 .map(|(_, s)| s.voters.clone())
                 .unwrap_or_else(|| target_replicas.clone());
@@ -170,6 +180,7 @@ pub async fn gather(node: &ClusterNode) -> Topology {
                     .filter(|(_, s)| s.recovering)
                     .map(|(id, _)| *id)
                     .collect(),
+                preferred_leader,
             }
         })
         .collect();
@@ -317,7 +328,7 @@ pub fn render(topology: &Topology) -> String {
             shard.shard,
             shard.leader.map_or("NONE".into(), |l| l.to_string()),
             shard.term,
-            join_ids(&shard.replicas),
+            join_ids(&ring_ordered(&shard.replicas, shard.preferred_leader)),
             if lag.is_empty() {
                 "-".into()
             } else {
@@ -326,6 +337,18 @@ pub fn render(topology: &Topology) -> String {
         );
     }
     out
+}
+
+/// A shard's replicas as its ring runs them, from its first replica (by
+/// id, wrapping: with five members `5,1,2`), so that a ring-placed shard's
+/// table row starts with the node it belongs to; ascending without one.
+fn ring_ordered(replicas: &[NodeId], first: Option<NodeId>) -> Vec<NodeId> {
+    let mut ordered = replicas.to_vec();
+    match first {
+        Some(first) => ordered.sort_unstable_by_key(|&id| (id < first, id)),
+        None => ordered.sort_unstable(),
+    }
+    ordered
 }
 
 fn join_ids(ids: &[NodeId]) -> String {
@@ -370,4 +393,19 @@ pub fn fetch_topology(addr: &str, timeout: Duration) -> anyhow::Result<Topology>
         anyhow::bail!("{addr} answered {line} (is it running in cluster mode?)");
     }
     serde_json::from_str(line).with_context(|| format!("{addr} answered {line:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ring_ordered;
+
+    #[test]
+    fn a_ring_shards_replicas_read_from_its_first_replica_on() {
+        assert_eq!(ring_ordered(&[1, 2, 5], Some(5)), vec![5, 1, 2]);
+        assert_eq!(ring_ordered(&[5, 3, 4], Some(3)), vec![3, 4, 5]);
+        // Mid-move, a replica outside the run keeps its place by id.
+        assert_eq!(ring_ordered(&[4, 1, 2, 5], Some(5)), vec![5, 1, 2, 4]);
+        // Spread placement: ascending.
+        assert_eq!(ring_ordered(&[3, 1, 2], None), vec![1, 2, 3]);
+    }
 }

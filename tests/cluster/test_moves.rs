@@ -455,6 +455,12 @@ fn a_ring_cluster_keeps_each_nodes_led_shards_on_its_next_two_members() {
                 shard.shard,
                 tollgate::cluster::status::render(topology)
             );
+            assert_eq!(
+                shard.preferred_leader,
+                Some(leader),
+                "shard {}'s first replica as status names it",
+                shard.shard
+            );
             *led.entry(leader).or_default() += 1;
         }
         assert!(
@@ -470,6 +476,15 @@ fn a_ring_cluster_keeps_each_nodes_led_shards_on_its_next_two_members() {
         "{rendered}"
     );
     assert_ring(&topology);
+    // The table lists a shard's replicas from its first replica on: node
+    // 5's runs wrap to nodes 1 and 2.
+    let of_5 = topology
+        .placement
+        .iter()
+        .find(|s| s.leader == Some(5))
+        .expect("node 5 leads shards");
+    let row = format!("{:<6} {:<7} {:<5} 5,1,2", of_5.shard, 5, of_5.term);
+    assert!(rendered.contains(&row), "no row `{row}` in {rendered}");
     let firsts_of_3: Vec<u32> = topology
         .placement
         .iter()
