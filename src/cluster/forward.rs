@@ -30,8 +30,35 @@ use std::time::{Duration, Instant};
 pub const RETRY_PAUSE_MS: u64 = 25;
 
 mod board;
+mod denials;
 use board::{result_of, Slot, SlotAnswer};
 pub use board::{ForwardPart, ForwardWait, SlotBoard};
+use denials::DenialCache;
+
+thread_local! {
+    /// The serving thread's remembered denials (see `denials.rs`).
+    static DENIALS: std::cell::RefCell<DenialCache> =
+        std::cell::RefCell::new(DenialCache::default());
+}
+
+/// The leader's denial of `op`'s counter, remembered on this thread, if it
+/// still stands at `now_ms`: a fixed window's hit (not a `PEEK`, not a
+/// droplet take) answered here instead of forwarded again.
+fn remembered_denial(dp: &DataPlane, op: &OpView<'_>, now_ms: u64) -> Option<Decision> {
+    if op.bucket.is_some() || op.peek || op.algorithm != crate::rules::Algorithm::FixedWindow {
+        return None;
+    }
+    DENIALS
+        .try_with(|cache| {
+            let cache = cache.borrow();
+            if !cache.any(now_ms) {
+                return None;
+            }
+            cache.denial(op.key, dp.store.key_hash(op.key), now_ms)
+        })
+        .ok()
+        .flatten()
+}
 
 /// How [`ClusterBatch::route`] left an op.
 enum Routed {
@@ -233,6 +260,9 @@ impl ClusterBatch {
                 }
             }
             Some(peer) => {
+                if let Some(denied) = remembered_denial(dp, op, now_ms) {
+                    return Routed::Now(denied);
+                }
                 let forward = match self.forwards.iter_mut().position(|f| f.peer == peer) {
                     Some(at) => &mut self.forwards[at],
                     None => {
@@ -562,6 +592,19 @@ async fn wait_for_answers<T>(
         for (slot, answer) in routed.into_iter().zip(answers) {
             board.set(slot, SlotAnswer::Done(answer));
         }
+    }
+    if board.any_denied() {
+        // When the batch was sent: the leader decided after it, so its
+        // reset is at least its announced seconds (rounded) from then.
+        let waited = Duration::from_millis(timeout_ms)
+            .saturating_sub(deadline.saturating_duration_since(Instant::now()));
+        let sent_ms = dp.clock.now_ms().saturating_sub(waited.as_millis() as u64);
+        let _ = DENIALS.try_with(|cache| {
+            let mut cache = cache.borrow_mut();
+            board.denied_window_hits(|key, next_reset_seconds| {
+                cache.remember(key, dp.store.key_hash(key), next_reset_seconds, sent_ms);
+            });
+        });
     }
     board.finish(timeout_ms, as_wanted)
 }

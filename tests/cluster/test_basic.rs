@@ -3,7 +3,7 @@
 //! refuse each other, and many clients on all nodes never over-admit.
 
 use crate::cluster_support::*;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A transcript touching several rules (canary included), the three
 /// algorithms, actors and limits, including denials.
@@ -250,4 +250,74 @@ fn the_cluster_client_goes_straight_to_each_shards_leader() {
         // The default rule (5 per minute per ip) has a counter too.
         assert!(client.shard_of(&[("ip", "1.2.3.4")]).is_some());
     });
+}
+
+/// A node that forwarded a hit its leader denied answers the counter's
+/// later hits `false` itself until about a second before the window
+/// resets (src/cluster/forward/denials.rs), in both modes: the same
+/// answers as the leader's, fewer forwarded hits, and the counter admits
+/// again once its window has reset.
+#[test]
+fn a_forwarding_node_answers_a_denied_counter_itself_until_its_window_resets() {
+    for mode in ["strict", "fast"] {
+        let cluster = TestCluster::start(3, 8, &["--consistency", mode]);
+        let topology = cluster.wait_leaders_stable(Duration::from_secs(2), Duration::from_secs(60));
+        // A user whose counter node 1 does not lead: its hits through
+        // node 1 are forwarded.
+        let user = (0..)
+            .map(|n| format!("denied{n}"))
+            .find(|user| {
+                let shard = shard_of_user(8, "path=/brief", 3, 4, user);
+                topology.placement[shard as usize].leader != Some(1)
+            })
+            .unwrap();
+        let forwarded = |cluster: &TestCluster| -> u64 {
+            let topology = cluster.topology().expect("status");
+            let node = topology.nodes.iter().find(|n| n.id == 1).unwrap();
+            node.stats.as_ref().expect("node 1's stats").forwarded_ops
+        };
+        let before = forwarded(&cluster);
+        let line = format!("HIT path=/brief user={user}");
+        let mut conn = Conn::open(cluster.client(1)).unwrap();
+        let started = Instant::now();
+        let answers = conn.pipeline(&vec![line.clone(); 4]);
+        let answers: Vec<_> = answers.iter().map(|a| parse_ok(a)).collect();
+        assert_eq!(
+            answers
+                .iter()
+                .map(|a| a.map(|(allowed, credit, _)| (allowed, credit)))
+                .collect::<Vec<_>>(),
+            vec![
+                Some((true, 2)),
+                Some((true, 1)),
+                Some((true, 0)),
+                Some((false, 0))
+            ],
+            "{mode}: the limit, then the leader's denial"
+        );
+        // The next hits are denied here, with the leader's reset, counting
+        // down.
+        for _ in 0..5 {
+            let answer = parse_ok(&conn.pipeline(&vec![line.clone(); 1])[0]);
+            let (allowed, credit, reset) = answer.expect("OK");
+            assert!(!allowed && credit == 0, "{mode}: {answer:?}");
+            assert!((1..=4).contains(&reset), "{mode}: reset {reset}");
+        }
+        assert_eq!(
+            forwarded(&cluster) - before,
+            4,
+            "{mode}: only the hits up to the first denial were forwarded"
+        );
+        // Past the window's end, the counter admits again (through the
+        // leader).
+        let reset_at = started + Duration::from_millis(4_600);
+        std::thread::sleep(reset_at.saturating_duration_since(Instant::now()));
+        let answer = parse_ok(&conn.pipeline(&vec![line.clone(); 1])[0]);
+        assert_eq!(
+            answer.map(|(allowed, credit, _)| (allowed, credit)),
+            Some((true, 2)),
+            "{mode}: a new window"
+        );
+        assert_eq!(forwarded(&cluster) - before, 5, "{mode}");
+    }
 }

@@ -55,6 +55,9 @@ pub struct SlotBoard {
     /// Whether a slot was ever answered [`SlotAnswer::Retry`] (else there
     /// is nothing to route again, and the slots are not scanned for it).
     retried: AtomicBool,
+    /// Whether a hit waiting here was ever answered `false` (else there is
+    /// no denial to remember, and the slots are not scanned for one).
+    denied: AtomicBool,
     waker: AtomicWaker,
 }
 
@@ -113,6 +116,7 @@ impl SlotBoard {
             inner: Mutex::new(BoardInner { slots, ops }),
             pending: AtomicU32::new(pending),
             retried: AtomicBool::new(retried),
+            denied: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         }
     }
@@ -189,10 +193,47 @@ impl SlotBoard {
             return false;
         }
         entry.answer = result_of(entry.shard, decision);
-        if matches!(entry.answer, SlotAnswer::Retry(_)) {
-            self.retried.store(true, Ordering::Release);
+        match entry.answer {
+            SlotAnswer::Retry(_) => self.retried.store(true, Ordering::Release),
+            SlotAnswer::Done(Ok(Answer::Hit(Decision { allowed: false, .. }))) => {
+                self.denied.store(true, Ordering::Release);
+            }
+            _ => {}
         }
         true
+    }
+
+    /// Whether a waiting hit was answered `false` (see
+    /// [`SlotBoard::denied_window_hits`]).
+    pub(super) fn any_denied(&self) -> bool {
+        self.denied.load(Ordering::Acquire)
+    }
+
+    /// Calls `denied` with the key and the seconds to its window's reset
+    /// of every waiting fixed-window hit (not a `PEEK`) answered `false`:
+    /// what the forwarding node may remember (`forward/denials.rs`).
+    pub(super) fn denied_window_hits(&self, mut denied: impl FnMut(&[u8], i64)) {
+        let inner = self.inner.lock();
+        for slot in &inner.slots {
+            let SlotAnswer::Done(Ok(Answer::Hit(decision))) = &slot.answer else {
+                continue;
+            };
+            if decision.allowed {
+                continue;
+            }
+            let Some(rest) = inner.ops.get(slot.op_at as usize..) else {
+                continue;
+            };
+            let Ok(op) = Reader::new(rest).op() else {
+                continue;
+            };
+            if op.bucket.is_none()
+                && !op.peek
+                && op.algorithm == crate::rules::Algorithm::FixedWindow
+            {
+                denied(op.key, decision.next_reset_seconds);
+            }
+        }
     }
 
     /// Counts `filled` slots answered; wakes the connection when they were

@@ -37,6 +37,11 @@ creditLimit = 1000
 resetSeconds = 3600
 actorField = user
 
+[path=/brief]
+creditLimit = 3
+resetSeconds = 4
+actorField = user
+
 [path=/big]
 creditLimit = 1000000
 resetSeconds = 600
