@@ -79,6 +79,9 @@ pub struct DataStats {
     /// Forwarded hits this node (as leader) answered at once in a section
     /// of their batch's own (peer protocol 2.2, `tag::BATCH_ANSWERS`).
     pub batch_answers: AtomicU64,
+    /// Hits this node answered `false` from a remembered denial instead of
+    /// forwarding them (`forward/denials.rs`).
+    pub denials_remembered: AtomicU64,
     /// Peer connections closed unanswered: too many handshakes in progress.
     pub handshakes_refused: AtomicU64,
 }

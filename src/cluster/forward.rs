@@ -13,7 +13,7 @@
 //! never sent twice.
 
 use super::data_frames::{put_bytes, put_op, put_op_params, OpView, Reader};
-use super::dataplane::{replica_in, DataPlane, DecidedState, ReplicaTable};
+use super::dataplane::{replica_in, DataPlane, DataStats, DecidedState, ReplicaTable};
 use super::replica::LocalDecision;
 use super::rounds::Waiter;
 use super::wire::{Answer, ShardRefusal, WireDecision};
@@ -261,6 +261,7 @@ impl ClusterBatch {
             }
             Some(peer) => {
                 if let Some(denied) = remembered_denial(dp, op, now_ms) {
+                    DataStats::add(&dp.stats.denials_remembered, 1);
                     return Routed::Now(denied);
                 }
                 let forward = match self.forwards.iter_mut().position(|f| f.peer == peer) {

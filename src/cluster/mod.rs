@@ -308,6 +308,8 @@ pub struct ClusterSnapshot {
     pub round_answers: u64,
     /// Forwarded hits answered at once in a section of their batch's own.
     pub batch_answers: u64,
+    /// Hits answered `false` from a remembered denial, not forwarded.
+    pub denials_remembered: u64,
 }
 
 /// One shard's replica on this node, for the per-shard series.
@@ -484,6 +486,7 @@ impl Cluster {
             peer_version_refusals: auth::version_refusals(),
             round_answers: dp.stats.round_answers.load(Ordering::Relaxed),
             batch_answers: dp.stats.batch_answers.load(Ordering::Relaxed),
+            denials_remembered: dp.stats.denials_remembered.load(Ordering::Relaxed),
         }
     }
 

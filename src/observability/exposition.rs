@@ -324,6 +324,12 @@ cluster_family!(
     "Forwarded hits this node, as their shard's leader, answered at once in a section of their forwarded batch's own (peer protocol 2.2; to a peer of 2.1 or older they go in one answers section per frame)."
 );
 cluster_family!(
+    CLUSTER_DENIALS_REMEMBERED,
+    "tollgate_cluster_denials_remembered_total",
+    MetricType::COUNTER,
+    "Hits this node answered false itself, from a denial their counter's leader gave a hit it forwarded earlier in the same window, instead of forwarding them (fixed windows)."
+);
+cluster_family!(
     CLUSTER_DATA_DIR_WRITE_ERRORS,
     "tollgate_cluster_data_dir_write_errors_total",
     MetricType::COUNTER,
@@ -566,6 +572,10 @@ impl Collector for ServerCollector {
             out.push(plain_counter(
                 &CLUSTER_BATCH_ANSWERS,
                 snapshot.batch_answers,
+            ));
+            out.push(plain_counter(
+                &CLUSTER_DENIALS_REMEMBERED,
+                snapshot.denials_remembered,
             ));
             if let Some(errors) = snapshot.data_dir_write_errors {
                 out.push(plain_counter(&CLUSTER_DATA_DIR_WRITE_ERRORS, errors));

@@ -260,7 +260,7 @@ fn the_cluster_client_goes_straight_to_each_shards_leader() {
 #[test]
 fn a_forwarding_node_answers_a_denied_counter_itself_until_its_window_resets() {
     for mode in ["strict", "fast"] {
-        let cluster = TestCluster::start(3, 8, &["--consistency", mode]);
+        let cluster = TestCluster::start_observed(3, 8, &["--consistency", mode], false);
         let topology = cluster.wait_leaders_stable(Duration::from_secs(2), Duration::from_secs(60));
         // A user whose counter node 1 does not lead: its hits through
         // node 1 are forwarded.
@@ -307,6 +307,14 @@ fn a_forwarding_node_answers_a_denied_counter_itself_until_its_window_resets() {
             forwarded(&cluster) - before,
             4,
             "{mode}: only the hits up to the first denial were forwarded"
+        );
+        assert_eq!(
+            metric(
+                cluster.metrics_addr(1),
+                "tollgate_cluster_denials_remembered_total"
+            ),
+            Some(5.0),
+            "{mode}: the hits node 1 denied itself, on /metrics"
         );
         // Past the window's end, the counter admits again (through the
         // leader).
