@@ -19,13 +19,16 @@
 #   aware   three nodes fast, the generators' hits sent straight to their
 #           shards' leaders (`tollgate-loadtest --leader-aware`).
 # The load is the bench's (cluster/bench.sh): closed loop, pipeline
-# PIPELINE, ACTORS actors, every hit admitted and so replicated; nodes keep
+# PIPELINE, ACTORS actors, every hit admitted and so replicated (unless
+# CREDIT_LIMIT makes them denials); nodes keep
 # their counters in memory only (no data dirs). CPU is user
 # + system of every server process from /proc over DURATION seconds after
 # WARMUP. With PERF_EVENTS (e.g. raw_syscalls:sys_enter,context-switches),
 # `perf stat` counts those events of the servers per hit as well.
 # Settings: ROUNDS (3), DURATION (5), WARMUP (2), CONNECTIONS (48),
-# PIPELINE (16), ACTORS (100000), SHARDS (64), BASE_PORT (26321), LOADTEST,
+# PIPELINE (16), ACTORS (100000), CREDIT_LIMIT (the bench rule's limit per
+# hour, 1000000000: every hit admitted; 10: after the first moments every
+# hit denied), SHARDS (64), BASE_PORT (26321), LOADTEST,
 # OUT_DIR.
 set -euo pipefail
 
@@ -39,6 +42,7 @@ WARMUP=${WARMUP:-2}
 CONNECTIONS=${CONNECTIONS:-48}
 PIPELINE=${PIPELINE:-16}
 ACTORS=${ACTORS:-100000}
+CREDIT_LIMIT=${CREDIT_LIMIT:-1000000000}
 BASE_PORT=${BASE_PORT:-26321}
 SHARDS=${SHARDS:-64}
 PERF_EVENTS=${PERF_EVENTS:-}
@@ -51,7 +55,7 @@ check_builds "$@"
 [[ -z $PERF_EVENTS ]] || command -v perf > /dev/null || { echo "ab.sh: PERF_EVENTS needs perf, which is not installed" >&2; exit 2; }
 [[ -x $LOADTEST ]] || { echo "ab.sh: $LOADTEST is missing (cargo build --release --workspace)" >&2; exit 1; }
 export RULES="$OUT_DIR/bench.ini"
-write_bench_rules "$RULES"
+write_bench_rules "$RULES" "$CREDIT_LIMIT"
 RESULTS="$OUT_DIR/results.tsv"
 : > "$RESULTS"
 # Servers and generators of the run under way, stopped if the script ends early.

@@ -4,12 +4,13 @@
 # scripts' LABEL=BINARY arguments and round order. Expects SHARDS and
 # BASE_PORT to be set.
 
-# write_bench_rules PATH: the rule every bench hit matches (a huge limit,
-# so every hit is admitted and replicated), and a default that denies.
+# write_bench_rules PATH [LIMIT]: the rule every bench hit matches (by
+# default a huge limit, so every hit is admitted and replicated; a small
+# LIMIT makes nearly every hit a denial), and a default that denies.
 write_bench_rules() {
-  cat > "$1" <<'INI'
+  cat > "$1" <<INI
 [path=/bench]
-creditLimit = 1000000000
+creditLimit = ${2:-1000000000}
 resetSeconds = 3600
 actorField = user
 
