@@ -50,21 +50,16 @@ wait_balanced() {
 }
 
 # wait_first_replicas_lead BINARY: waits (up to 120 s) until every shard of
-# a ring-placed cluster is led by its first replica (the member of its
-# target whose predecessor among the members is not in it), as leader
-# balancing brings about after a join (docs/cluster.md, "Placement: spread
-# or ring").
+# a ring-placed cluster is led by its first replica (`preferred_leader` in
+# `cluster status --json`), as leader balancing brings about after a join
+# (docs/cluster.md, "Placement: spread or ring").
 wait_first_replicas_lead() {
   local binary=$1 deadline=$((SECONDS + 120)) off=""
   while (( SECONDS < deadline )); do
     off=$("$binary" cluster status --json --node "127.0.0.1:$BASE_PORT" 2>/dev/null | python3 -c '
 import json, sys
 topology = json.load(sys.stdin)
-members = sorted(n["id"] for n in topology["nodes"])
-def first(target):
-    starts = [m for m in target if members[members.index(m) - 1] not in target]
-    return starts[0] if len(starts) == 1 else None
-print(sum(1 for s in topology["placement"] if first(s["target"]) not in (None, s["leader"])))' 2>/dev/null || true)
+print(sum(1 for s in topology["placement"] if s.get("preferred_leader") not in (None, s["leader"])))' 2>/dev/null || true)
     [[ $off == 0 ]] && return 0
     sleep 0.5
   done

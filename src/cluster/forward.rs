@@ -45,7 +45,7 @@ thread_local! {
 /// still stands at `now_ms`: a fixed window's hit (not a `PEEK`, not a
 /// droplet take) answered here instead of forwarded again.
 fn remembered_denial(dp: &DataPlane, op: &OpView<'_>, now_ms: u64) -> Option<Decision> {
-    if op.bucket.is_some() || op.peek || op.algorithm != crate::rules::Algorithm::FixedWindow {
+    if !denials::rememberable(op) {
         return None;
     }
     DENIALS

@@ -227,10 +227,7 @@ impl SlotBoard {
             let Ok(op) = Reader::new(rest).op() else {
                 continue;
             };
-            if op.bucket.is_none()
-                && !op.peek
-                && op.algorithm == crate::rules::Algorithm::FixedWindow
-            {
+            if super::denials::rememberable(&op) {
                 denied(op.key, decision.next_reset_seconds);
             }
         }

@@ -14,7 +14,15 @@
 //! old one had may admit some that this node still denies until the
 //! reset: under-admission, never over.
 
+use crate::cluster::data_frames::OpView;
 use crate::limiter::Decision;
+
+/// Whether a denial of `op` may be remembered and stand for later hits:
+/// a fixed window's hit, not a `PEEK` nor a droplet take (a token
+/// bucket's or a sliding window's denial can lift before the reset).
+pub fn rememberable(op: &OpView<'_>) -> bool {
+    op.bucket.is_none() && !op.peek && op.algorithm == crate::rules::Algorithm::FixedWindow
+}
 
 /// Counters remembered per serving thread: 64 bytes each, 256 KiB, in
 /// sets of [`WAYS`] (a direct-mapped table of a thousand counters lost
