@@ -98,6 +98,24 @@ pub struct ClusterArgs {
     #[arg(long, default_value_t = ClusterConfig::default().batch_ops_max)]
     pub batch_ops_max: usize,
 
+    /// Most credits of a quota lease this node grants, as a shard's
+    /// leader, to a node that forwards it a fixed-window hit; that node
+    /// then admits the counter's next hits itself until they run out. 0:
+    /// no leases granted, none asked for. In strict mode a lease is sent
+    /// once the state counting it commits (never over-admission), but a
+    /// node's answers then count down its own lease rather than the
+    /// cluster's count. See docs/cluster.md, "Quota leases" [default: 64 in
+    /// fast mode, 0 in strict mode].
+    #[arg(long)]
+    pub lease_credits_max: Option<u32>,
+
+    /// Counters this node keeps quota leases for (64 bytes
+    /// each, shared out among the serving threads); a counter it forwards
+    /// while every place it could take holds a lease is forwarded without
+    /// asking for one. 0: this node asks for no lease.
+    #[arg(long, default_value_t = ClusterConfig::default().lease_counters_max)]
+    pub lease_counters_max: usize,
+
     /// Raft log entries between snapshots of a shard group (its log holds
     /// membership changes and new leaders' entries only).
     #[arg(long, default_value_t = ClusterConfig::default().snapshot_every_entries)]
@@ -185,6 +203,8 @@ impl ClusterArgs {
             leader_balance: self.leader_balance,
             raft_threads: self.raft_threads,
             batch_ops_max: self.batch_ops_max,
+            lease_credits_max: self.lease_credits_max,
+            lease_counters_max: self.lease_counters_max,
             snapshot_every_entries: self.snapshot_every_entries,
             peer_routes: self.peer_routes,
             cluster_secret_file: self.cluster_secret_file,

@@ -67,11 +67,14 @@ impl Backend for ClusterBackend {
     /// (docs/benchmarks.md, "Sixth round").
     fn counter_hashes(&self, ops: &[CounterOp<'_>], hashes: &mut PrefetchHashes) {
         for op in ops {
-            hashes.push(
-                self.dp
-                    .store
-                    .key_hash_prefixed(op.rule.counter_id.0, op.actor.as_bytes()),
-            );
+            let hash = self
+                .dp
+                .store
+                .key_hash_prefixed(op.rule.counter_id.0, op.actor.as_bytes());
+            // Its lease too, if it is forwarded: known only once it is
+            // routed, and a prefetch costs less than finding out.
+            super::forward::prefetch_lease(&self.dp, hash);
+            hashes.push(hash);
         }
     }
 }

@@ -189,6 +189,7 @@ impl DataPlane {
                 batch,
                 index,
                 decision: Answer::bucket(answer),
+                lease: 0,
             });
             decided.push((
                 at,

@@ -126,6 +126,12 @@ fn algorithm_code(algorithm: Algorithm) -> u8 {
 
 /// The op code of a droplet bucket's take or query (beside the algorithms').
 const BUCKET_OP_CODE: u8 = 3;
+/// A rule op's flag: the forwarder asks for a quota lease, whose size
+/// follows the quota as a varint ([`OpView::lease_wanted`]; peer protocol
+/// 2.3, `peer_protocol::LEASES_MINOR`).
+const LEASE_FLAG: u8 = 0x40;
+/// The bits of an op's first byte that name its algorithm or op code.
+const OP_CODE_MASK: u8 = 0x3f;
 
 /// Appends one forwarded op: key, algorithm and peek in one byte, quota;
 /// for a droplet bucket ([`OpView::bucket`]), the code 3 (peek: a query),
@@ -149,9 +155,13 @@ pub fn put_op_params(out: &mut Vec<u8>, op: &OpView<'_>) {
         }
         return;
     }
-    out.push(algorithm_code(op.algorithm) | peek);
+    let lease = if op.lease_wanted > 0 { LEASE_FLAG } else { 0 };
+    out.push(algorithm_code(op.algorithm) | peek | lease);
     put_varint(out, op.credit_limit);
     put_varint(out, op.reset_seconds);
+    if op.lease_wanted > 0 {
+        put_varint(out, u64::from(op.lease_wanted));
+    }
 }
 
 fn put_refusal(out: &mut Vec<u8>, refusal: &ShardRefusal) {
@@ -208,6 +218,16 @@ pub fn put_decision(out: &mut Vec<u8>, decision: &WireDecision) {
         WireDecision::Full { live_keys_max } => {
             out.push(4);
             put_varint(out, *live_keys_max);
+        }
+        WireDecision::Leased {
+            credit,
+            next_reset_seconds,
+            lease,
+        } => {
+            out.push(6);
+            put_signed(out, *credit);
+            put_signed(out, *next_reset_seconds);
+            put_varint(out, u64::from(*lease));
         }
         WireDecision::Bucket { accept, balances } => {
             out.push(5);
@@ -269,6 +289,10 @@ pub struct OpView<'a> {
     /// hit: `key` is then the bucket's first period key
     /// (`cluster::buckets`), and the algorithm and quota are unused.
     pub bucket: Option<BucketOp>,
+    /// Credits the forwarding node asks to hold as a quota lease beside
+    /// this hit's answer (`forward/leases.rs`); 0: none. Sent only to a
+    /// peer that talks peer protocol 2.3 (`peer_protocol::LEASES_MINOR`).
+    pub lease_wanted: u32,
 }
 
 impl OpView<'_> {
@@ -280,6 +304,7 @@ impl OpView<'_> {
         reset_seconds: 0,
         peek: false,
         bucket: None,
+        lease_wanted: 0,
     };
 }
 
@@ -400,7 +425,7 @@ impl<'a> Reader<'a> {
             *op = self.bucket_op(key, flags)?;
             return Ok(());
         }
-        op.algorithm = match flags & 0x7f {
+        op.algorithm = match flags & OP_CODE_MASK {
             0 => Algorithm::FixedWindow,
             1 => Algorithm::TokenBucket,
             2 => Algorithm::SlidingWindow,
@@ -411,6 +436,11 @@ impl<'a> Reader<'a> {
         op.credit_limit = self.varint()?;
         op.reset_seconds = self.varint()?;
         op.bucket = None;
+        op.lease_wanted = if flags & LEASE_FLAG != 0 {
+            u32::try_from(self.varint()?).map_err(|_| FrameError::Invalid("lease size"))?
+        } else {
+            0
+        };
         Ok(())
     }
 
@@ -443,6 +473,7 @@ impl<'a> Reader<'a> {
                 },
                 cleanup_interval_ms,
             }),
+            lease_wanted: 0,
         })
     }
 
@@ -481,6 +512,16 @@ impl<'a> Reader<'a> {
                     allowed: code == 1,
                     credit,
                     next_reset_seconds,
+                };
+            }
+            6 => {
+                let credit = self.signed()?;
+                let next_reset_seconds = self.signed()?;
+                let lease = self.u32()?;
+                *decision = WireDecision::Leased {
+                    credit,
+                    next_reset_seconds,
+                    lease,
                 };
             }
             code => *decision = self.rare_decision(code)?,

@@ -54,6 +54,13 @@ pub struct DataSettings {
     pub batch_ops_max: usize,
     /// A peer silent for this long counts as down.
     pub liveness_timeout_ms: u64,
+    /// Most credits of a quota lease this node grants, as a shard's
+    /// leader, beside a forwarded hit (`forward/leases.rs`); 0: none, and
+    /// this node asks for none.
+    pub lease_credits_max: u32,
+    /// Fast mode: entries of each serving thread's lease table (a power of
+    /// two, or 0: this node asks for no lease).
+    pub lease_counters_per_thread: usize,
 }
 
 /// Counters of the data path, for `/metrics` and `cluster status`.
@@ -82,6 +89,13 @@ pub struct DataStats {
     /// Hits this node answered `false` from a remembered denial instead of
     /// forwarding them (`forward/denials.rs`).
     pub denials_remembered: AtomicU64,
+    /// Hits this node admitted from a quota lease instead of forwarding
+    /// them (`forward/leases.rs`).
+    pub lease_hits: AtomicU64,
+    /// Quota leases this node granted as a shard's leader, and their
+    /// credits.
+    pub leases_granted: AtomicU64,
+    pub lease_credits_granted: AtomicU64,
     /// Peer connections closed unanswered: too many handshakes in progress.
     pub handshakes_refused: AtomicU64,
 }
@@ -183,6 +197,27 @@ impl DataPlane {
 
     pub fn strict(&self) -> bool {
         self.settings.consistency == Consistency::Strict
+    }
+
+    /// Whether quota leases are asked for and granted: with
+    /// `--lease-credits-max` above 0.
+    pub fn leasing(&self) -> bool {
+        self.settings.lease_credits_max > 0
+    }
+
+    /// Whether this node asks for quota leases for the hits it forwards:
+    /// [`DataPlane::leasing`], with room for them (`--lease-counters-max`).
+    pub fn asks_leases(&self) -> bool {
+        self.leasing() && self.settings.lease_counters_per_thread > 0
+    }
+
+    /// Whether the link to `peer` talks peer protocol minor `minor` or
+    /// later (false for a peer without a link).
+    pub fn peer_speaks(&self, peer: NodeId, minor: u8) -> bool {
+        self.outs
+            .read()
+            .get(&peer)
+            .is_some_and(|out| out.speaks_minor(minor))
     }
 
     pub fn replica(&self, shard: u32) -> Option<Arc<Replica>> {

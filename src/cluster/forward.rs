@@ -11,6 +11,11 @@
 //! routed again every [`RETRY_PAUSE_MS`] until the forward timeout, so a
 //! failover or a move shows as latency; hits that may have been counted are
 //! never sent twice.
+//!
+//! A hit for a peer's shard may be answered here instead: `true` from a
+//! quota lease the leader granted this thread (`forward/leases.rs`), `false`
+//! from a denial it remembers (`forward/denials.rs`); a read batch's later
+//! hits of a counter whose lease it asked for wait for that answer.
 
 use super::data_frames::{put_bytes, put_op, put_op_params, OpView, Reader};
 use super::dataplane::{replica_in, DataPlane, DataStats, DecidedState, ReplicaTable};
@@ -31,34 +36,14 @@ pub const RETRY_PAUSE_MS: u64 = 25;
 
 mod board;
 mod denials;
+mod leases;
+#[cfg(test)]
+mod tests;
 use board::{result_of, Slot, SlotAnswer};
 pub use board::{ForwardPart, ForwardWait, SlotBoard};
-use denials::DenialCache;
-
-thread_local! {
-    /// The serving thread's remembered denials (see `denials.rs`).
-    static DENIALS: std::cell::RefCell<DenialCache> =
-        std::cell::RefCell::new(DenialCache::default());
-}
-
-/// The leader's denial of `op`'s counter, remembered on this thread, if it
-/// still stands at `now_ms`: a fixed window's hit (not a `PEEK`, not a
-/// droplet take) answered here instead of forwarded again.
-fn remembered_denial(dp: &DataPlane, op: &OpView<'_>, now_ms: u64) -> Option<Decision> {
-    if !denials::rememberable(op) {
-        return None;
-    }
-    DENIALS
-        .try_with(|cache| {
-            let cache = cache.borrow();
-            if !cache.any(now_ms) {
-                return None;
-            }
-            cache.denial(op.key, dp.store.key_hash(op.key), now_ms)
-        })
-        .ok()
-        .flatten()
-}
+use denials::remembered_denial;
+use leases::{lease_peek, lease_use, leases_with, LeaseUse};
+pub use leases::{lease_size, lease_table_entries, prefetch_lease};
 
 /// How [`ClusterBatch::route`] left an op.
 enum Routed {
@@ -185,6 +170,14 @@ pub struct ClusterBatch {
     states: Vec<LocalState>,
     forwards: SmallVec<[PeerForward; 2]>,
     key_buf: Vec<u8>,
+    /// Whether each peer forwarded to talks the peer protocol of leases,
+    /// looked up once per batch.
+    lease_peers: SmallVec<[(NodeId, bool); 4]>,
+    /// Hits admitted from this thread's leases.
+    lease_hits: u64,
+    /// Store hashes of the counters whose leases this batch asked for:
+    /// their next hits wait for the answer ([`SlotAnswer::AfterLease`]).
+    asked: SmallVec<[u64; 4]>,
 }
 
 impl ClusterBatch {
@@ -204,6 +197,9 @@ impl ClusterBatch {
             states,
             forwards: SmallVec::new(),
             key_buf,
+            lease_peers: SmallVec::new(),
+            lease_hits: 0,
+            asked: SmallVec::new(),
         }
     }
 
@@ -264,6 +260,41 @@ impl ClusterBatch {
                     DataStats::add(&dp.stats.denials_remembered, 1);
                     return Routed::Now(denied);
                 }
+                let mut lease_wanted = 0;
+                if dp.asks_leases()
+                    && leases::leasable(op)
+                    && leases_with(&mut self.lease_peers, dp, peer)
+                {
+                    let hash = dp.store.key_hash(op.key);
+                    if self.asked.contains(&hash) {
+                        return Routed::Slot(SlotAnswer::AfterLease);
+                    }
+                    if op.peek {
+                        // As the lease's next hit would be answered, if
+                        // this thread holds one; else as the leader would.
+                        if let Some(peeked) = lease_peek(op.key, hash, peer, now_ms) {
+                            return Routed::Now(peeked);
+                        }
+                    } else {
+                        match lease_use(dp, op.key, hash, peer, now_ms) {
+                            LeaseUse::Admitted(decision) => {
+                                self.lease_hits += 1;
+                                return Routed::Now(decision);
+                            }
+                            LeaseUse::Ask(wanted) => {
+                                lease_wanted = wanted;
+                                self.asked.push(hash);
+                            }
+                            LeaseUse::Forward => {}
+                        }
+                    }
+                }
+                // Asks for a lease only when this routing decided to; a
+                // retried op's earlier ask is not sent again.
+                let op = &OpView {
+                    lease_wanted,
+                    ..*op
+                };
                 let forward = match self.forwards.iter_mut().position(|f| f.peer == peer) {
                     Some(at) => &mut self.forwards[at],
                     None => {
@@ -350,6 +381,7 @@ impl ClusterBatch {
             reset_seconds: 0,
             peek: query,
             bucket: Some(bucket),
+            lease_wanted: 0,
         };
         let shard = self.dp.placement.shard_of(&key);
         self.add(shard, &view, now_ms);
@@ -428,8 +460,12 @@ impl ClusterBatch {
             states,
             forwards,
             key_buf,
+            lease_hits,
             ..
         } = *self;
+        if lease_hits > 0 {
+            DataStats::add(&dp.stats.lease_hits, lease_hits);
+        }
         if slots.is_empty() {
             if !states.is_empty() {
                 dp.push_states(
@@ -493,6 +529,7 @@ struct EncodedParams {
     credit_limit: u64,
     reset_seconds: u64,
     peek: bool,
+    lease_wanted: u32,
     at: (u32, u32),
 }
 
@@ -503,7 +540,14 @@ impl EncodedParams {
             self.credit_limit,
             self.reset_seconds,
             self.peek,
-        ) == (op.algorithm, op.credit_limit, op.reset_seconds, op.peek)
+            self.lease_wanted,
+        ) == (
+            op.algorithm,
+            op.credit_limit,
+            op.reset_seconds,
+            op.peek,
+            op.lease_wanted,
+        )
     }
 }
 
@@ -533,6 +577,7 @@ fn encode_op(ops: &mut Vec<u8>, last: &mut Option<EncodedParams>, op: &OpView<'_
                 credit_limit: op.credit_limit,
                 reset_seconds: op.reset_seconds,
                 peek: op.peek,
+                lease_wanted: op.lease_wanted,
                 at: (from, ops.len() as u32),
             });
         }
@@ -568,14 +613,29 @@ async fn wait_for_answers<T>(
     as_wanted: impl AsWanted<T>,
 ) -> Vec<T> {
     let timeout_ms = dp.settings.forward_timeout_ms;
+    // When the batch was sent: its leaders decided after it, so their
+    // windows reset at least their announced seconds (rounded) from then.
+    let sent_ms = || {
+        let waited = Duration::from_millis(timeout_ms)
+            .saturating_sub(deadline.saturating_duration_since(Instant::now()));
+        dp.clock.now_ms().saturating_sub(waited.as_millis() as u64)
+    };
     loop {
         let _ = tokio::time::timeout_at(deadline.into(), board.settled()).await;
-        let retries = board.retries();
-        let pause = Duration::from_millis(RETRY_PAUSE_MS);
+        if board.any_leased() {
+            // Kept before the hits that waited for them are routed again.
+            leases::keep_granted(&dp, &board, sent_ms());
+        }
+        let (retries, refused) = board.retries();
+        // Hits refused wait a moment before they are routed again; hits
+        // that waited for their counter's lease go at once.
+        let pause = Duration::from_millis(if refused { RETRY_PAUSE_MS } else { 0 });
         if retries.is_empty() || Instant::now() + pause >= deadline {
             break;
         }
-        tokio::time::sleep(pause).await;
+        if refused {
+            tokio::time::sleep(pause).await;
+        }
         let mut again = Box::new(ClusterBatch::new(Arc::clone(&dp)));
         let now_ms = dp.clock.now_ms();
         let mut routed = Vec::with_capacity(retries.len());
@@ -595,17 +655,7 @@ async fn wait_for_answers<T>(
         }
     }
     if board.any_denied() {
-        // When the batch was sent: the leader decided after it, so its
-        // reset is at least its announced seconds (rounded) from then.
-        let waited = Duration::from_millis(timeout_ms)
-            .saturating_sub(deadline.saturating_duration_since(Instant::now()));
-        let sent_ms = dp.clock.now_ms().saturating_sub(waited.as_millis() as u64);
-        let _ = DENIALS.try_with(|cache| {
-            let mut cache = cache.borrow_mut();
-            board.denied_window_hits(|key, next_reset_seconds| {
-                cache.remember(key, dp.store.key_hash(key), next_reset_seconds, sent_ms);
-            });
-        });
+        denials::remember_denied(&dp, &board, sent_ms());
     }
     board.finish(timeout_ms, as_wanted)
 }
@@ -659,6 +709,7 @@ impl OpBatch for ClusterBatch {
                 reset_seconds: op.quota.period_ms() / 1000,
                 peek: op.peek,
                 bucket: None,
+                lease_wanted: 0,
             };
             let shard = self.dp.placement.shard_of(&key);
             if self.slots.len() > first {
@@ -703,63 +754,5 @@ impl OpBatch for ClusterBatch {
         let now = Instant::now();
         let deadline = now + Duration::from_millis(self.dp.settings.forward_timeout_ms);
         self.submit_until(now, deadline, hit_result)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::limiter::droplet_bucket::TakeRequest;
-    use crate::rules::Algorithm;
-
-    fn rule_op(key: &[u8], algorithm: Algorithm, credit_limit: u64, peek: bool) -> OpView<'_> {
-        OpView {
-            key,
-            algorithm,
-            credit_limit,
-            reset_seconds: 3_600,
-            peek,
-            bucket: None,
-        }
-    }
-
-    #[test]
-    fn ops_sharing_parameters_encode_as_each_alone_would() {
-        let ops = [
-            rule_op(b"k1", Algorithm::FixedWindow, 1_000_000_000, false),
-            rule_op(b"key-2", Algorithm::FixedWindow, 1_000_000_000, false),
-            rule_op(b"k3", Algorithm::FixedWindow, 1_000_000_000, true),
-            rule_op(b"k4", Algorithm::TokenBucket, 1_000_000_000, true),
-            rule_op(b"k5", Algorithm::TokenBucket, 7, true),
-            // A droplet bucket's take between two ops of one rule: encoded
-            // whole, and the next op still copies the rule's parameters.
-            OpView {
-                bucket: Some(super::super::data_frames::BucketOp {
-                    request: TakeRequest {
-                        count: 2,
-                        reset: false,
-                        limits: [10, 0, 0, 0, 0, 1],
-                    },
-                    cleanup_interval_ms: 60_000,
-                }),
-                reset_seconds: 0,
-                ..rule_op(b"bucket", Algorithm::FixedWindow, 0, false)
-            },
-            rule_op(b"k6", Algorithm::TokenBucket, 7, true),
-            rule_op(b"", Algorithm::SlidingWindow, 7, false),
-        ];
-        let (mut bytes, mut last) = (Vec::new(), None);
-        // Each op as the batch encodes it, then each alone: the same bytes,
-        // which read back as the op.
-        let at: Vec<(u32, u32)> = ops
-            .iter()
-            .map(|op| encode_op(&mut bytes, &mut last, op))
-            .collect();
-        for (op, (start, end)) in ops.iter().zip(at) {
-            let mut alone = Vec::new();
-            put_op(&mut alone, op);
-            assert_eq!(&bytes[start as usize..end as usize], &alone[..]);
-            assert_eq!(Reader::new(&alone).op().unwrap(), *op);
-        }
     }
 }

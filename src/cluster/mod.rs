@@ -143,6 +143,11 @@ pub struct ClusterConfig {
     /// Fast mode: a replication round leaves at once when it holds this
     /// many states.
     pub batch_ops_max: usize,
+    /// Most credits of a quota lease granted at once (0: none; `None`:
+    /// [`default_lease_credits_max`] of the consistency).
+    pub lease_credits_max: Option<u32>,
+    /// Counters this node keeps leases for (0: asks for none).
+    pub lease_counters_max: usize,
     /// Raft log entries between snapshots of a shard group (its log holds
     /// membership changes and new leaders' entries only).
     pub snapshot_every_entries: u64,
@@ -171,6 +176,17 @@ pub fn default_raft_threads() -> usize {
     usize::from(cores > 2)
 }
 
+/// `--lease-credits-max` by default: leases in fast mode (its answers are
+/// the leader's view already), none in strict mode, whose answers count
+/// the cluster's hits exactly through any node (docs/cluster.md, "Quota
+/// leases").
+pub fn default_lease_credits_max(consistency: Consistency) -> u32 {
+    match consistency {
+        Consistency::Fast => 64,
+        Consistency::Strict => 0,
+    }
+}
+
 impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
@@ -188,6 +204,8 @@ impl Default for ClusterConfig {
             leader_balance: true,
             raft_threads: default_raft_threads(),
             batch_ops_max: 4_096,
+            lease_credits_max: None,
+            lease_counters_max: 262_144,
             snapshot_every_entries: 5_000,
             peer_routes: Vec::new(),
             cluster_secret_file: None,
@@ -310,6 +328,11 @@ pub struct ClusterSnapshot {
     pub batch_answers: u64,
     /// Hits answered `false` from a remembered denial, not forwarded.
     pub denials_remembered: u64,
+    /// Hits admitted from a quota lease, not forwarded.
+    pub lease_hits: u64,
+    /// Quota leases granted as a shard's leader, and their credits.
+    pub leases_granted: u64,
+    pub lease_credits_granted: u64,
 }
 
 /// One shard's replica on this node, for the per-shard series.
@@ -487,6 +510,9 @@ impl Cluster {
             round_answers: dp.stats.round_answers.load(Ordering::Relaxed),
             batch_answers: dp.stats.batch_answers.load(Ordering::Relaxed),
             denials_remembered: dp.stats.denials_remembered.load(Ordering::Relaxed),
+            lease_hits: dp.stats.lease_hits.load(Ordering::Relaxed),
+            leases_granted: dp.stats.leases_granted.load(Ordering::Relaxed),
+            lease_credits_granted: dp.stats.lease_credits_granted.load(Ordering::Relaxed),
         }
     }
 
@@ -577,6 +603,7 @@ pub fn start(
     strict_rules: bool,
     store: Arc<MemoryStore>,
     clock: Arc<dyn Clock>,
+    serving_threads: usize,
 ) -> Result<Option<Cluster>, ClusterError> {
     let Some(path) = &args.cluster_file else {
         return Ok(None);
@@ -646,6 +673,13 @@ pub fn start(
             replication_interval_ms: args.replication_interval_ms.max(1),
             batch_ops_max: args.batch_ops_max.max(1),
             liveness_timeout_ms: args.raft_election_timeout_ms.max(3) * 2,
+            lease_credits_max: args
+                .lease_credits_max
+                .unwrap_or(default_lease_credits_max(args.consistency)),
+            lease_counters_per_thread: forward::lease_table_entries(
+                args.lease_counters_max,
+                serving_threads,
+            ),
         },
     ));
     let links = Arc::new(links::Links::new(

@@ -337,6 +337,7 @@ mod tests {
             reset_seconds: 60,
             peek: false,
             bucket: None,
+            lease_wanted: 0,
         };
         put_op(&mut bytes, &view);
         bytes

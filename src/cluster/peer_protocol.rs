@@ -15,10 +15,10 @@ use std::sync::OnceLock;
 /// buckets (an op code, a decision code and a counter state of their own)
 /// and hellos that carry the committed rule set's version, which no node of
 /// major 1 can read. 2.1 added [`ROUND_ANSWERS_MINOR`], 2.2
-/// [`BATCH_ANSWERS_MINOR`].
+/// [`BATCH_ANSWERS_MINOR`], 2.3 [`LEASES_MINOR`].
 pub const PROTOCOL: Protocol = Protocol {
     major: 2,
-    minor: 2,
+    minor: 3,
     oldest_minor: 0,
 };
 
@@ -33,6 +33,10 @@ pub const ROUND_ANSWERS_MINOR: u8 = 1;
 /// finds the batch once and decodes each decision straight into its slot,
 /// and the prefetch's walk over a frame steps over the section whole.
 pub const BATCH_ANSWERS_MINOR: u8 = 2;
+/// The minor from which a forwarded fixed-window hit may ask for a quota
+/// lease (an op flag and the lease's size) and be answered with one
+/// (`WireDecision::Leased`): fast mode's leases, `forward/leases.rs`.
+pub const LEASES_MINOR: u8 = 3;
 /// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
 /// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
 /// upgrade", says how tests use it). Not for production: the node's frames

@@ -260,6 +260,49 @@ impl Replica {
 
     /// Decides one hit as the shard's leader, on `store`.
     pub fn decide(&self, store: &MemoryStore, op: &OpView<'_>, now_ms: u64) -> LocalDecision {
+        self.decide_leasing(store, op, 0, now_ms).0
+    }
+
+    /// [`Replica::decide`], and for an admitted fixed-window hit a quota
+    /// lease of at most `lease_max` credits for the node that forwarded it,
+    /// counted as used in the same update (`forward/leases.rs` sizes it):
+    /// the decision, and the lease granted (0: none). The decision's credit
+    /// leaves the lease out.
+    pub fn decide_leasing(
+        &self,
+        store: &MemoryStore,
+        op: &OpView<'_>,
+        lease_max: u32,
+        now_ms: u64,
+    ) -> (LocalDecision, u32) {
+        let mut leased = 0;
+        let decision = self.decide_inner(store, op, now_ms, |decision, state| {
+            if lease_max == 0 || !decision.allowed {
+                return;
+            }
+            if let Some(CounterState::Window { end_ms, used }) = state {
+                let lease = crate::cluster::forward::lease_size(
+                    *end_ms,
+                    *used,
+                    op.credit_limit,
+                    lease_max,
+                    now_ms,
+                );
+                *used += u64::from(lease);
+                leased = lease;
+            }
+        });
+        (decision, leased)
+    }
+
+    #[inline(always)]
+    fn decide_inner(
+        &self,
+        store: &MemoryStore,
+        op: &OpView<'_>,
+        now_ms: u64,
+        mut lease: impl FnMut(&Decision, &mut Option<CounterState>),
+    ) -> LocalDecision {
         let Some(term) = self.ready_term() else {
             return LocalDecision::Refused(if self.handing_over.load(Ordering::Acquire) {
                 ShardRefusal::HandingOver
@@ -284,7 +327,10 @@ impl Replica {
         }
         let mut changed = None;
         let result = store.update(op.key, now_ms, |state| {
-            let (decision, new_state) = algorithm_hit(op.algorithm, state, quota, now_ms);
+            let (decision, mut new_state) = algorithm_hit(op.algorithm, state, quota, now_ms);
+            if op.algorithm == crate::rules::Algorithm::FixedWindow {
+                lease(&decision, &mut new_state);
+            }
             changed = new_state;
             (decision, new_state)
         });

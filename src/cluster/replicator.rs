@@ -102,6 +102,7 @@ impl DataPlane {
                         batch,
                         index,
                         decision,
+                        lease,
                     } => {
                         let found = match remote.get(last_remote) {
                             Some(r) if (r.peer, r.boot) == (peer, boot) => Some(last_remote),
@@ -124,7 +125,7 @@ impl DataPlane {
                         put_varint(&mut answers.bytes, u64::from(index));
                         put_decision(
                             &mut answers.bytes,
-                            &section.end.answer(section.shard, decision),
+                            &section.end.answer_leased(section.shard, decision, lease),
                         );
                         answers.count += 1;
                     }
@@ -317,12 +318,14 @@ impl DataPlane {
                 batch,
                 index,
                 decision,
+                lease,
                 ..
             } = waiter
             {
                 put_varint(out, *batch);
                 put_varint(out, u64::from(*index));
-                put_decision(out, &SectionEnd::Committed.answer(shard, *decision));
+                let answer = SectionEnd::Committed.answer_leased(shard, *decision, *lease);
+                put_decision(out, &answer);
                 count += 1;
             }
         }

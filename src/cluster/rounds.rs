@@ -53,6 +53,10 @@ pub enum Waiter {
         batch: u64,
         index: u32,
         decision: Answer,
+        /// Credits of a quota lease granted beside the hit, counted in the
+        /// same state (`forward/leases.rs`), sent with its answer once that
+        /// state commits; 0: none.
+        lease: u32,
     },
 }
 
@@ -214,8 +218,22 @@ pub enum SectionEnd {
 impl SectionEnd {
     /// The answer a waiter gets for a section that ended this way.
     pub fn answer(&self, shard: u32, decision: Answer) -> WireDecision {
+        self.answer_leased(shard, decision, 0)
+    }
+
+    /// [`SectionEnd::answer`] for a forwarded hit granted a quota lease of
+    /// `lease` credits: the lease goes with the answer only if the state
+    /// counting it committed.
+    pub fn answer_leased(&self, shard: u32, decision: Answer, lease: u32) -> WireDecision {
         match self {
-            SectionEnd::Committed => decision.into(),
+            SectionEnd::Committed => match (decision, lease) {
+                (Answer::Hit(hit), 1..) if hit.allowed => WireDecision::Leased {
+                    credit: hit.credit,
+                    next_reset_seconds: hit.next_reset_seconds,
+                    lease,
+                },
+                _ => decision.into(),
+            },
             SectionEnd::Superseded(term) => WireDecision::Retry {
                 shard,
                 why: ShardRefusal::Superseded(*term),

@@ -73,6 +73,16 @@ pub enum WireDecision {
         accept: bool,
         balances: [Option<i32>; PERIOD_COUNT],
     },
+    /// A fixed-window hit admitted, with a quota lease for the node that
+    /// forwarded it: `lease` more credits of the counter's window, counted
+    /// as used on the leader, which that node may admit itself
+    /// (`forward/leases.rs`). `credit` leaves the lease out: it is the
+    /// credit left had the lease not been taken. Peer protocol 2.3.
+    Leased {
+        credit: i64,
+        next_reset_seconds: i64,
+        lease: u32,
+    },
 }
 
 /// What a decided op answers, as a waiter keeps it until its commit: a

@@ -330,6 +330,24 @@ cluster_family!(
     "Hits this node answered false itself, from a denial their counter's leader gave a hit it forwarded earlier in the same window, instead of forwarding them (fixed windows)."
 );
 cluster_family!(
+    CLUSTER_LEASE_HITS,
+    "tollgate_cluster_lease_hits_total",
+    MetricType::COUNTER,
+    "Hits this node admitted itself from a quota lease their counter's leader granted it, instead of forwarding them (fixed windows)."
+);
+cluster_family!(
+    CLUSTER_LEASES_GRANTED,
+    "tollgate_cluster_leases_granted_total",
+    MetricType::COUNTER,
+    "Quota leases this node, as a shard's leader, granted beside forwarded hits."
+);
+cluster_family!(
+    CLUSTER_LEASE_CREDITS_GRANTED,
+    "tollgate_cluster_lease_credits_granted_total",
+    MetricType::COUNTER,
+    "Credits of the quota leases this node granted, counted as used in their counters' windows when granted."
+);
+cluster_family!(
     CLUSTER_DATA_DIR_WRITE_ERRORS,
     "tollgate_cluster_data_dir_write_errors_total",
     MetricType::COUNTER,
@@ -576,6 +594,15 @@ impl Collector for ServerCollector {
             out.push(plain_counter(
                 &CLUSTER_DENIALS_REMEMBERED,
                 snapshot.denials_remembered,
+            ));
+            out.push(plain_counter(&CLUSTER_LEASE_HITS, snapshot.lease_hits));
+            out.push(plain_counter(
+                &CLUSTER_LEASES_GRANTED,
+                snapshot.leases_granted,
+            ));
+            out.push(plain_counter(
+                &CLUSTER_LEASE_CREDITS_GRANTED,
+                snapshot.lease_credits_granted,
             ));
             if let Some(errors) = snapshot.data_dir_write_errors {
                 out.push(plain_counter(&CLUSTER_DATA_DIR_WRITE_ERRORS, errors));

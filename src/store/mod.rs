@@ -8,7 +8,7 @@ pub mod memory;
 mod packed;
 pub mod redis;
 mod shared_buckets;
-mod table;
+pub(crate) mod table;
 
 use crate::limiter::{
     fixed_window_hit, sliding_window_hit, token_bucket_hit, CounterState, Decision, WindowQuota,

@@ -187,7 +187,7 @@ impl<T: TableSlot> SlotTable<T> {
 /// Asks the CPU to bring the cache line at `address` closer (a hint: never
 /// faults, whatever the address, and does nothing where unsupported).
 #[inline(always)]
-pub(super) fn prefetch_line<T>(address: *const T) {
+pub(crate) fn prefetch_line<T>(address: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch hint reads nothing the program can observe and
     // cannot fault, whatever the address.

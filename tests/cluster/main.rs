@@ -22,6 +22,7 @@ mod test_chaos;
 mod test_droplet;
 mod test_envoy;
 mod test_failover;
+mod test_leases;
 mod test_membership;
 mod test_moves;
 mod test_operator;

@@ -1,18 +1,18 @@
 //! The peer protocol's version window, with real processes: a rolling
-//! upgrade from the previous minor version to this build's (each node
-//! restarted in turn, advertising the previous one with the test-only
-//! `TOLLGATE_TEST_PEER_PROTOCOL`, then its own) keeps the cluster serving
-//! with its counters, and what the newer minor added (a forwarded batch's
-//! answers in a section of its own) is sent only once both ends speak it,
-//! while what the previous minor added (answers that ride with their
-//! round) goes on throughout; a node of
+//! upgrade from minor 2.1 to this build's (each node restarted in turn,
+//! advertising 2.1 with the test-only `TOLLGATE_TEST_PEER_PROTOCOL`, then
+//! its own) keeps the cluster serving with its counters, and what a newer
+//! minor added (a forwarded batch's answers in a section of its own, 2.2)
+//! is sent only once both ends speak it, while what 2.1 added (answers
+//! that ride with their round) goes on throughout; fast mode's quota leases
+//! (2.3) are asked of and granted to peers that talk 2.3 only; a node of
 //! another major is refused on both sides: it exits naming both versions,
 //! the nodes it dialed log the refusal and count it (and their data dirs
 //! count no write error).
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
-use tollgate::cluster::auth::PROTOCOL;
+use tollgate::cluster::auth::{BATCH_ANSWERS_MINOR, PROTOCOL};
 
 const ENV: &str = "TOLLGATE_TEST_PEER_PROTOCOL";
 
@@ -87,10 +87,11 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
     let mut cluster = TestCluster::start_observed(3, 4, &[], false);
     let mut credit = hit(&cluster, 1, "rolling");
     let own = PROTOCOL.to_string();
-    let previous = format!("{}.{}", PROTOCOL.major, PROTOCOL.minor - 1);
+    // The minor before batch answers: this build still talks it.
+    let previous = format!("{}.{}", PROTOCOL.major, BATCH_ANSWERS_MINOR - 1);
     // One node at a time, as docs/cluster.md's rolling upgrade says: first
-    // every node goes back to the previous minor, then each is upgraded to
-    // this build's; the counter goes on through every node at each step.
+    // every node goes back to 2.1, then each is upgraded to this build's;
+    // the counter goes on through every node at each step.
     for (step, id) in [3, 2, 1, 3, 2, 1].into_iter().enumerate() {
         let version = if step < 3 { &previous } else { &own };
         cluster.stop(id, Duration::from_secs(10));
@@ -119,7 +120,7 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
             credit = now;
         }
         if step == 2 {
-            // Every node speaks the previous minor: no leader answers a
+            // Every node speaks 2.1: no leader answers a
             // batch in a section of its own (an older node could not read
             // it), and hits still ride with their round.
             hit_fresh_actors(&cluster, "previous");
@@ -186,4 +187,48 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
     cluster.spawn(3, None);
     cluster.wait_healthy(Duration::from_secs(30));
     assert_eq!(hit(&cluster, 3, "rolling"), credit - 1);
+}
+
+/// Fast mode with node 3 advertising 2.2, the minor before quota leases:
+/// nodes 1 and 2 lease each other credits of the counters they forward,
+/// and node 3 neither asks for a lease nor is asked for one (its frames
+/// would read an ask; its peers, having agreed on 2.2 with it, send none).
+#[test]
+fn quota_leases_pass_only_between_nodes_that_talk_their_minor() {
+    let mut cluster = TestCluster::start_observed(3, 8, &["--consistency", "fast"], false);
+    let before_leases = format!("{}.{}", PROTOCOL.major, PROTOCOL.minor - 1);
+    cluster.stop(3, Duration::from_secs(10));
+    advertise(&mut cluster, 3, &before_leases);
+    cluster.spawn(3, None);
+    cluster.wait_leaders_stable(Duration::from_secs(2), Duration::from_secs(60));
+    // Forty counters hit twenty times each through every node: each node
+    // forwards the hits of the counters it does not lead.
+    let clients = cluster.clients();
+    for (via, addr) in clients.iter().enumerate() {
+        let mut conn = Conn::open(*addr).unwrap();
+        for actor in 0..40 {
+            let line = format!("HIT path=/chaos user=lease{actor}");
+            for answer in conn.pipeline(&vec![line; 20]) {
+                let (allowed, _, _) = parse_ok(&answer).unwrap_or_else(|| panic!("{answer}"));
+                assert!(allowed, "node {}: {answer}", via + 1);
+            }
+        }
+    }
+    let counter = |id: u64, series: &str| {
+        metric(cluster.metrics_addr(id), series)
+            .unwrap_or_else(|| panic!("node {id} has no {series} series"))
+    };
+    for id in [1, 2] {
+        assert!(
+            counter(id, "tollgate_cluster_lease_hits_total") > 0.0,
+            "node {id} admitted hits from leases node {} granted",
+            3 - id
+        );
+        assert!(
+            counter(id, "tollgate_cluster_leases_granted_total") > 0.0,
+            "node {id}"
+        );
+    }
+    assert_eq!(counter(3, "tollgate_cluster_lease_hits_total"), 0.0);
+    assert_eq!(counter(3, "tollgate_cluster_leases_granted_total"), 0.0);
 }

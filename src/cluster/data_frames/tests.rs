@@ -17,6 +17,7 @@ fn bucket_take(key: &[u8], request: TakeRequest, cleanup_interval_ms: u64) -> Op
             request,
             cleanup_interval_ms,
         }),
+        lease_wanted: 0,
     }
 }
 
@@ -91,11 +92,20 @@ fn sections_roundtrip() {
         reset_seconds: 3600,
         peek: true,
         bucket: None,
+        lease_wanted: 0,
+    };
+    // A fixed window's hit asking for a quota lease (peer protocol 2.3).
+    let asking = OpView {
+        algorithm: Algorithm::FixedWindow,
+        peek: false,
+        lease_wanted: u32::MAX,
+        ..op
     };
     let at = begin_counted(&mut out, tag::FORWARD, &[77]);
     put_op(&mut out, &op);
     put_op(&mut out, &OpView { peek: false, ..op });
-    end_counted(&mut out, at, 2);
+    put_op(&mut out, &asking);
+    end_counted(&mut out, at, 3);
     let states = [
         CounterState::Window {
             end_ms: 1_700_000_060_000,
@@ -136,6 +146,11 @@ fn sections_roundtrip() {
             why: ShardRefusal::Other("because".into()),
         },
         WireDecision::Full { live_keys_max: 7 },
+        WireDecision::Leased {
+            credit: 900,
+            next_reset_seconds: 3_600,
+            lease: 15,
+        },
     ];
     out.push(tag::ANSWERS);
     put_varint(&mut out, 99);
@@ -155,9 +170,10 @@ fn sections_roundtrip() {
     let mut reader = Reader::new(&out);
     assert_eq!(reader.u8().unwrap(), tag::FORWARD);
     assert_eq!(reader.varint().unwrap(), 77);
-    assert_eq!(reader.count(4).unwrap(), 2);
+    assert_eq!(reader.count(4).unwrap(), 3);
     assert_eq!(reader.op().unwrap(), op);
     assert_eq!(reader.op().unwrap(), OpView { peek: false, ..op });
+    assert_eq!(reader.op().unwrap(), asking);
     assert_eq!(reader.u8().unwrap(), tag::ROUND);
     let header = RoundHeader::read(&mut reader).unwrap();
     assert_eq!(
@@ -211,7 +227,7 @@ fn sections_roundtrip() {
     })
     .unwrap();
     assert_eq!(sections, 5);
-    let mut expected = vec![op.key.to_vec(), op.key.to_vec()];
+    let mut expected = vec![op.key.to_vec(), op.key.to_vec(), op.key.to_vec()];
     expected.extend((0..3).map(|i| vec![i as u8; 10]));
     assert_eq!(keys, expected);
 }
@@ -346,6 +362,7 @@ fn frame_of_every_kind() -> Vec<u8> {
         reset_seconds: 1 << 40,
         peek: true,
         bucket: None,
+        lease_wanted: 0,
     };
     let take = bucket_take(
         b"\x00bucket",
@@ -359,7 +376,17 @@ fn frame_of_every_kind() -> Vec<u8> {
     let at = begin_counted(&mut out, tag::FORWARD, &[u64::MAX]);
     put_op(&mut out, &hit);
     put_op(&mut out, &take);
-    end_counted(&mut out, at, 2);
+    put_op(
+        &mut out,
+        &OpView {
+            key: b"\x05leased-key",
+            algorithm: Algorithm::FixedWindow,
+            peek: false,
+            lease_wanted: 40,
+            ..hit
+        },
+    );
+    end_counted(&mut out, at, 3);
     let decisions = [
         WireDecision::Decided {
             allowed: true,
@@ -382,6 +409,11 @@ fn frame_of_every_kind() -> Vec<u8> {
         WireDecision::Bucket {
             accept: true,
             balances: [None, Some(-5), None, Some(i32::MAX), None, Some(0)],
+        },
+        WireDecision::Leased {
+            credit: i64::MAX,
+            next_reset_seconds: -1,
+            lease: u32::MAX,
         },
     ];
     let at = begin_counted(&mut out, tag::ANSWERS, &[3]);
@@ -451,7 +483,7 @@ fn skimming_a_frame_finds_the_keys_the_full_walk_finds() {
         walk_keys(&frame, visit).unwrap();
     });
     let skimmed = keys_of(|visit| skim_keys(&frame, visit));
-    assert_eq!(walked.len(), 6, "{walked:?}");
+    assert_eq!(walked.len(), 7, "{walked:?}");
     assert_eq!(skimmed, walked);
     // Cut anywhere, the skim ends without a panic, having found at least
     // the keys the full walk found before its error.
@@ -548,6 +580,7 @@ fn an_op_read_into_a_reused_view_replaces_every_field() {
         reset_seconds: 60,
         peek: true,
         bucket: None,
+        lease_wanted: 0,
     };
     let mut body = Vec::new();
     put_op(&mut body, &bucket);

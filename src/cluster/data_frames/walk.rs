@@ -6,7 +6,7 @@
 
 use super::{
     tag, Ack, BatchAnswers, BatchAnswersHeader, FrameError, Reader, RoundAnswersHeader,
-    RoundHeader, BUCKET_OP_CODE,
+    RoundHeader, BUCKET_OP_CODE, LEASE_FLAG,
 };
 use crate::limiter::droplet_bucket::PERIOD_COUNT;
 
@@ -187,12 +187,14 @@ impl<'a> Skim<'a> {
 
     /// An op's fields after its key (see [`put_op`]).
     fn op_fields(&mut self) -> Option<()> {
-        if self.u8()? & 0x7f == BUCKET_OP_CODE {
+        let flags = self.u8()?;
+        if flags & 0x7f == BUCKET_OP_CODE {
             self.skip_varints(1)?; // count
             self.u8()?; // reset
             return self.skip_varints(1 + PERIOD_COUNT); // cleanup, limits
         }
-        self.skip_varints(2)
+        // The quota, and a lease's size when one is asked for.
+        self.skip_varints(2 + usize::from(flags & LEASE_FLAG != 0))
     }
 
     fn state(&mut self) -> Option<()> {
@@ -208,6 +210,7 @@ impl<'a> Skim<'a> {
     fn decision(&mut self) -> Option<()> {
         match self.u8()? {
             0 | 1 => self.skip_varints(2),
+            6 => self.skip_varints(3),
             2 | 3 => {
                 self.skip_varints(1)?;
                 self.refusal()

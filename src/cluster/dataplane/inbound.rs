@@ -360,7 +360,22 @@ impl DataPlane {
                 why: ShardRefusal::NotReplicated(self.me),
             });
         };
-        match replica.decide(&self.store, op, now_ms) {
+        // A lease within this node's cap (an ask is sent only to a node
+        // that talks the protocol of leases); in strict mode it goes with
+        // the answer once the state counting it commits.
+        let lease_max = if op.lease_wanted > 0 && self.leasing() {
+            op.lease_wanted.min(self.settings.lease_credits_max)
+        } else {
+            0
+        };
+        let (decision, lease) = replica.decide_leasing(&self.store, op, lease_max, now_ms);
+        if lease > 0 {
+            // Counted when granted (in strict mode its answer waits for the
+            // commit); one in many forwarded hits.
+            DataStats::add(&self.stats.leases_granted, 1);
+            DataStats::add(&self.stats.lease_credits_granted, u64::from(lease));
+        }
+        match decision {
             LocalDecision::Decided {
                 decision,
                 changed,
@@ -375,6 +390,7 @@ impl DataPlane {
                     batch,
                     index,
                     decision: decision.into(),
+                    lease,
                 });
                 let answer_now = waiter.is_none();
                 let at = keys.len();
@@ -389,7 +405,14 @@ impl DataPlane {
                         waiter,
                     },
                 ));
-                answer_now.then(|| decision.into())
+                answer_now.then(|| match lease {
+                    0 => decision.into(),
+                    lease => WireDecision::Leased {
+                        credit: decision.credit,
+                        next_reset_seconds: decision.next_reset_seconds,
+                        lease,
+                    },
+                })
             }
             LocalDecision::Full(StoreFull { live_keys_max }) => Some(WireDecision::Full {
                 live_keys_max: live_keys_max as u64,

@@ -30,6 +30,11 @@ pub(super) enum SlotAnswer {
     Done(Result<Answer, BackendError>),
     /// Not decided: to be routed again.
     Retry(ShardRefusal),
+    /// A hit on a counter whose lease an earlier hit of the same batch
+    /// asked for: held back until that answer is in, then routed again
+    /// (admitted from the lease if one came; `forward/leases.rs`), so that
+    /// the leader does not count it after the lease's credits.
+    AfterLease,
 }
 
 #[derive(Debug, Clone)]
@@ -43,6 +48,8 @@ pub(super) struct Slot {
 struct BoardInner {
     slots: Vec<Slot>,
     ops: Vec<u8>,
+    /// The slots answered with a quota lease, and its credits.
+    leases: Vec<(u32, u32)>,
 }
 
 /// The answers of one read batch's deferred ops, filled by whoever has them
@@ -58,6 +65,9 @@ pub struct SlotBoard {
     /// Whether a hit waiting here was ever answered `false` (else there is
     /// no denial to remember, and the slots are not scanned for one).
     denied: AtomicBool,
+    /// Whether a hit waiting here was answered with a quota lease (else
+    /// `leases` is empty and not looked at).
+    leased: AtomicBool,
     waker: AtomicWaker,
 }
 
@@ -77,6 +87,15 @@ pub(super) fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
             credit,
             next_reset_seconds,
         }))),
+        WireDecision::Leased {
+            credit,
+            next_reset_seconds,
+            ..
+        } => SlotAnswer::Done(Ok(Answer::Hit(Decision {
+            allowed: true,
+            credit,
+            next_reset_seconds,
+        }))),
         rare => rare_result_of(shard, rare),
     }
 }
@@ -84,7 +103,9 @@ pub(super) fn result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
 #[inline(never)]
 fn rare_result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
     match decision {
-        decided @ WireDecision::Decided { .. } => result_of(shard, decided),
+        decided @ (WireDecision::Decided { .. } | WireDecision::Leased { .. }) => {
+            result_of(shard, decided)
+        }
         WireDecision::Bucket { accept, balances } => {
             SlotAnswer::Done(Ok(Answer::bucket(TakeOutcome {
                 accept,
@@ -111,12 +132,17 @@ impl SlotBoard {
             .count() as u32;
         let retried = slots
             .iter()
-            .any(|s| matches!(s.answer, SlotAnswer::Retry(_)));
+            .any(|s| matches!(s.answer, SlotAnswer::Retry(_) | SlotAnswer::AfterLease));
         SlotBoard {
-            inner: Mutex::new(BoardInner { slots, ops }),
+            inner: Mutex::new(BoardInner {
+                slots,
+                ops,
+                leases: Vec::new(),
+            }),
             pending: AtomicU32::new(pending),
             retried: AtomicBool::new(retried),
             denied: AtomicBool::new(false),
+            leased: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         }
     }
@@ -132,7 +158,7 @@ impl SlotBoard {
         let mut inner = self.inner.lock();
         let mut filled = 0;
         for (slot, decision) in answers {
-            filled += u32::from(self.fill_slot(&mut inner.slots, slot, decision));
+            filled += u32::from(self.fill_slot(&mut inner, slot, decision));
         }
         drop(inner);
         self.count_filled(filled);
@@ -174,7 +200,7 @@ impl SlotBoard {
             else {
                 continue;
             };
-            filled += u32::from(self.fill_slot(&mut inner.slots, slot, decision));
+            filled += u32::from(self.fill_slot(&mut inner, slot, decision));
         };
         drop(inner);
         self.count_filled(filled);
@@ -185,12 +211,16 @@ impl SlotBoard {
     /// its round, then again after the link broke before the leader heard
     /// that it arrived); says whether it was.
     #[inline(always)]
-    fn fill_slot(&self, slots: &mut [Slot], slot: u32, decision: WireDecision) -> bool {
-        let Some(entry) = slots.get_mut(slot as usize) else {
+    fn fill_slot(&self, inner: &mut BoardInner, slot: u32, decision: WireDecision) -> bool {
+        let Some(entry) = inner.slots.get_mut(slot as usize) else {
             return false;
         };
         if !matches!(entry.answer, SlotAnswer::Pending) {
             return false;
+        }
+        if let WireDecision::Leased { lease, .. } = decision {
+            inner.leases.push((slot, lease));
+            self.leased.store(true, Ordering::Release);
         }
         entry.answer = result_of(entry.shard, decision);
         match entry.answer {
@@ -233,6 +263,35 @@ impl SlotBoard {
         }
     }
 
+    /// Whether a waiting hit was answered with a quota lease (see
+    /// [`SlotBoard::leases_granted`]).
+    pub(super) fn any_leased(&self) -> bool {
+        self.leased.load(Ordering::Acquire)
+    }
+
+    /// Calls `granted` with the key, the lease's credits and the hit's
+    /// decision of every waiting hit answered with a quota lease since the
+    /// last call: what the forwarding node keeps (`forward/leases.rs`).
+    pub(super) fn take_leases_granted(&self, mut granted: impl FnMut(&[u8], u32, &Decision)) {
+        let mut inner = self.inner.lock();
+        self.leased.store(false, Ordering::Release);
+        let leases = std::mem::take(&mut inner.leases);
+        for &(slot, lease) in &leases {
+            let Some(slot) = inner.slots.get(slot as usize) else {
+                continue;
+            };
+            let SlotAnswer::Done(Ok(Answer::Hit(decision))) = &slot.answer else {
+                continue;
+            };
+            let Some(rest) = inner.ops.get(slot.op_at as usize..) else {
+                continue;
+            };
+            if let Ok(op) = Reader::new(rest).op() {
+                granted(op.key, lease, decision);
+            }
+        }
+    }
+
     /// Counts `filled` slots answered; wakes the connection when they were
     /// the last pending ones.
     fn count_filled(&self, filled: u32) {
@@ -242,7 +301,7 @@ impl SlotBoard {
     }
 
     pub(super) fn set(&self, slot: u32, answer: SlotAnswer) {
-        if matches!(answer, SlotAnswer::Retry(_)) {
+        if matches!(answer, SlotAnswer::Retry(_) | SlotAnswer::AfterLease) {
             self.retried.store(true, Ordering::Release);
         }
         let mut inner = self.inner.lock();
@@ -262,15 +321,19 @@ impl SlotBoard {
         Settled { board: self }
     }
 
-    /// The slots to route again, with their shard and op bytes.
-    pub(super) fn retries(&self) -> Vec<(u32, u32, Vec<u8>)> {
+    /// The slots to route again, with their shard and op bytes, and
+    /// whether any was refused (else they all waited for a lease's answer,
+    /// and are routed again at once).
+    pub(super) fn retries(&self) -> (Vec<(u32, u32, Vec<u8>)>, bool) {
         if !self.retried.load(Ordering::Acquire) {
-            return Vec::new();
+            return (Vec::new(), false);
         }
         let inner = self.inner.lock();
         let mut retries = Vec::new();
+        let mut refused = false;
         for (index, slot) in inner.slots.iter().enumerate() {
-            if let SlotAnswer::Retry(_) = slot.answer {
+            refused |= matches!(slot.answer, SlotAnswer::Retry(_));
+            if let SlotAnswer::Retry(_) | SlotAnswer::AfterLease = slot.answer {
                 let rest = inner.ops.get(slot.op_at as usize..).unwrap_or_default();
                 let mut reader = Reader::new(rest);
                 if reader.op().is_ok() {
@@ -279,7 +342,7 @@ impl SlotBoard {
                 }
             }
         }
-        retries
+        (retries, refused)
     }
 
     /// Every slot's final answer, taken out of the board (its waiting is
@@ -298,6 +361,14 @@ impl SlotBoard {
                 SlotAnswer::Retry(why) => Err(BackendError::ShardUnavailable(
                     WireDecision::describe(slot.shard, &why),
                 )),
+                SlotAnswer::AfterLease => {
+                    Err(BackendError::ShardUnavailable(WireDecision::describe(
+                        slot.shard,
+                        &ShardRefusal::Other(format!(
+                            "no answer to its counter's lease within {timeout_ms} ms"
+                        )),
+                    )))
+                }
             })
             .map(as_wanted)
             .collect()

@@ -14,7 +14,9 @@
 //! old one had may admit some that this node still denies until the
 //! reset: under-admission, never over.
 
+use super::SlotBoard;
 use crate::cluster::data_frames::OpView;
+use crate::cluster::dataplane::DataPlane;
 use crate::limiter::Decision;
 
 /// Whether a denial of `op` may be remembered and stand for later hits:
@@ -22,6 +24,42 @@ use crate::limiter::Decision;
 /// bucket's or a sliding window's denial can lift before the reset).
 pub fn rememberable(op: &OpView<'_>) -> bool {
     op.bucket.is_none() && !op.peek && op.algorithm == crate::rules::Algorithm::FixedWindow
+}
+
+thread_local! {
+    /// The serving thread's remembered denials.
+    static DENIALS: std::cell::RefCell<DenialCache> =
+        std::cell::RefCell::new(DenialCache::default());
+}
+
+/// The leader's denial of `op`'s counter, remembered on this thread, if it
+/// still stands at `now_ms`: a fixed window's hit (not a `PEEK`, not a
+/// droplet take) answered here instead of forwarded again.
+pub(super) fn remembered_denial(dp: &DataPlane, op: &OpView<'_>, now_ms: u64) -> Option<Decision> {
+    if !rememberable(op) {
+        return None;
+    }
+    DENIALS
+        .try_with(|cache| {
+            let cache = cache.borrow();
+            if !cache.any(now_ms) {
+                return None;
+            }
+            cache.denial(op.key, dp.store.key_hash(op.key), now_ms)
+        })
+        .ok()
+        .flatten()
+}
+
+/// Remembers the denials of `board`'s waiting fixed-window hits (its
+/// batch sent at `sent_ms`) in this thread's table.
+pub(super) fn remember_denied(dp: &DataPlane, board: &SlotBoard, sent_ms: u64) {
+    let _ = DENIALS.try_with(|cache| {
+        let mut cache = cache.borrow_mut();
+        board.denied_window_hits(|key, next_reset_seconds| {
+            cache.remember(key, dp.store.key_hash(key), next_reset_seconds, sent_ms);
+        });
+    });
 }
 
 /// Counters remembered per serving thread: 64 bytes each, 256 KiB, in

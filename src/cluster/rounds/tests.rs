@@ -29,6 +29,7 @@ fn section(shard: u32, voters: &[NodeId], sent_to: &[NodeId]) -> SentSection {
             batch: 1,
             index: shard,
             decision: OK.into(),
+            lease: 0,
         }],
         with_round: SmallVec::new(),
     }
@@ -43,6 +44,7 @@ fn answered_with_round(shard: u32) -> SentSection {
         batch: 40,
         index,
         decision: OK.into(),
+        lease: 0,
     };
     let mut waiters = vec![remote(2, 0), remote(3, 1), remote(2, 2)];
     let with_round: SmallVec<[RoundAnswered; 2]> = RoundAnswered::take(&mut waiters, 2, 7)
