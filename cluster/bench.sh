@@ -15,8 +15,11 @@
 #    straight to its shard's leader); five nodes strict (nodes 4 and 5
 #    joined with `cluster add-node`), then again with CONNECTIONS x 25/9
 #    connections (as many hits in flight per peer link as three nodes
-#    have); five nodes strict with ring placement (`placement = ring`,
-#    nodes 4 and 5 joined likewise); then one node again. The ratios to one node use the mean of its
+#    have); five nodes fast (nodes 4 and 5 joined to the fast cluster); five
+#    nodes strict, then fast, with ring placement (`placement = ring`,
+#    nodes 4 and 5 joined likewise); then one node again. Fast mode runs
+#    with its defaults, quota leases included (docs/cluster.md, "Quota
+#    leases"); strict mode with its own, without leases. The ratios to one node use the mean of its
 #    two runs: a single run of it swung the ratios by up to 15 % from one
 #    bench to the next. Every hit is admitted (the rule has a
 #    huge limit), so every hit is replicated: the worst case. One generator
@@ -238,6 +241,13 @@ for mode in strict fast aware; do
   CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$mode.txt"
   wait_balanced "$TOLLGATE" 3
   cluster_run "$mode" 3 "${flags[@]}"
+  if [[ $mode == fast ]]; then
+    echo "five nodes, fast (nodes 4 and 5 join)" >&2
+    CONSISTENCY=fast "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-fast-4.txt"
+    CONSISTENCY=fast "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-fast-5.txt"
+    wait_balanced "$TOLLGATE" 5
+    cluster_run five-fast 5
+  fi
   if [[ $mode == strict ]]; then
     echo "idle three-node cluster, ${IDLE_SECONDS} s" >&2
     sleep 2
@@ -265,17 +275,20 @@ for mode in strict fast aware; do
   "$ROOT/cluster/local.sh" down > /dev/null
   rm -rf "$RUN_DIR"
 done
-echo "five nodes, strict, ring placement (nodes 4 and 5 join)" >&2
 export PLACEMENT=ring
-CONSISTENCY=strict "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-ring.txt"
-wait_balanced "$TOLLGATE" 3
-"$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-ring-4.txt"
-"$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-ring-5.txt"
-wait_first_replicas_lead "$TOLLGATE"
-cluster_run five-ring 5
-"$ROOT/cluster/local.sh" status > "$OUT_DIR/status-ring.txt" || true
-"$ROOT/cluster/local.sh" down > /dev/null
-rm -rf "$RUN_DIR"
+for consistency in strict fast; do
+  echo "five nodes, $consistency, ring placement (nodes 4 and 5 join)" >&2
+  name=five-ring; [[ $consistency == fast ]] && name=five-ring-fast
+  CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$name.txt"
+  wait_balanced "$TOLLGATE" 3
+  CONSISTENCY=$consistency "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-$name-4.txt"
+  CONSISTENCY=$consistency "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-$name-5.txt"
+  wait_first_replicas_lead "$TOLLGATE"
+  cluster_run "$name" 5
+  "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$name.txt" || true
+  "$ROOT/cluster/local.sh" down > /dev/null
+  rm -rf "$RUN_DIR"
+done
 unset PLACEMENT
 single_run single-again
 
@@ -378,6 +391,7 @@ for name, label in [("single", "one node"), ("strict", "three nodes, strict"), (
                     ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
                     ("five-scaled", "five nodes, strict, {connections} connections"),
                     ("five-ring", "five nodes, strict, ring placement"),
+                    ("five-fast", "five nodes, fast"), ("five-ring-fast", "five nodes, fast, ring placement"),
                     ("single-again", "one node, again (after the clusters)")]:
     r = runs(name)
     label = label.format(connections=sum(x["config"]["connections"] for x in r))
@@ -413,7 +427,7 @@ print("Data path during the measured window (all nodes together):")
 print()
 print("| setup | rounds/s | states per round | states per shard section | hits per forwarded batch | frames per write | writes per hit |")
 print("|---|---:|---:|---:|---:|---:|---:|")
-for name in ("strict", "fast", "aware", "five", "five-scaled", "five-ring"):
+for name in ("strict", "fast", "aware", "five", "five-scaled", "five-ring", "five-fast", "five-ring-fast"):
     s = rows[name]["stats"]
     if not s:
         continue
@@ -463,6 +477,9 @@ print(f"| (five nodes strict with as many hits in flight per peer link as three:
       f"{rows['five-scaled']['cpu'] / rows['strict']['cpu']:.2f}x | context |")
 print(f"| five nodes strict, ring placement: CPU per hit / three nodes' | "
       f"{rows['five-ring']['cpu'] / rows['strict']['cpu']:.2f}x | <= 1.15x |")
+print(f"| five nodes fast: CPU per hit / three nodes' | {rows['five-fast']['cpu'] / rows['fast']['cpu']:.2f}x | <= 1.15x |")
+print(f"| five nodes fast, ring placement: CPU per hit / three nodes' | "
+      f"{rows['five-ring-fast']['cpu'] / rows['fast']['cpu']:.2f}x | <= 1.15x |")
 print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms | <= 2 ms |")
 if failover_ms:
     ms = sorted(failover_ms)
