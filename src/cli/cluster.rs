@@ -17,6 +17,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+/// Most `--lease-counters-max` (64 bytes each: 1 GiB), so that a typo
+/// cannot ask for more memory than a machine has.
+const LEASE_COUNTERS_MAX_MAX: u64 = 1 << 24;
+
 /// Flags of `tollgate serve` for cluster mode.
 #[derive(Debug, Clone, Args)]
 pub struct ClusterArgs {
@@ -112,9 +116,14 @@ pub struct ClusterArgs {
     /// Counters this node keeps quota leases for (64 bytes
     /// each, shared out among the serving threads); a counter it forwards
     /// while every place it could take holds a lease is forwarded without
-    /// asking for one. 0: this node asks for no lease.
-    #[arg(long, default_value_t = ClusterConfig::default().lease_counters_max)]
-    pub lease_counters_max: usize,
+    /// asking for one. 0: this node asks for no lease. At most 16777216
+    /// (1 GiB).
+    #[arg(
+        long,
+        default_value_t = ClusterConfig::default().lease_counters_max as u64,
+        value_parser = clap::value_parser!(u64).range(0..=LEASE_COUNTERS_MAX_MAX)
+    )]
+    pub lease_counters_max: u64,
 
     /// Raft log entries between snapshots of a shard group (its log holds
     /// membership changes and new leaders' entries only).
@@ -204,7 +213,7 @@ impl ClusterArgs {
             raft_threads: self.raft_threads,
             batch_ops_max: self.batch_ops_max,
             lease_credits_max: self.lease_credits_max,
-            lease_counters_max: self.lease_counters_max,
+            lease_counters_max: self.lease_counters_max as usize,
             snapshot_every_entries: self.snapshot_every_entries,
             peer_routes: self.peer_routes,
             cluster_secret_file: self.cluster_secret_file,

@@ -343,6 +343,11 @@ fn usage_and_startup_errors_snapshot() {
             "tollgate: invalid value 'mysql' for '--backend <BACKEND>'; possible values: memory, redis (see 'tollgate serve --help')".into(),
         ),
         (
+            vec!["serve", "--lease-counters-max", "99999999999"],
+            2,
+            "tollgate: invalid value '99999999999' for '--lease-counters-max <LEASE_COUNTERS_MAX>': 99999999999 is not in 0..=16777216 (see 'tollgate serve --help')".into(),
+        ),
+        (
             vec!["chek-config", "rules.ini"],
             2,
             "tollgate: unrecognized subcommand 'chek-config'; did you mean 'check-config'? (see 'tollgate --help')".into(),
