@@ -292,7 +292,12 @@ impl Replica {
                 leased = lease;
             }
         });
-        (decision, leased)
+        // A decision fenced off after the update never happened, nor did
+        // its lease.
+        match decision {
+            LocalDecision::Decided { .. } => (decision, leased),
+            _ => (decision, 0),
+        }
     }
 
     #[inline(always)]

@@ -264,7 +264,7 @@ impl SlotBoard {
     }
 
     /// Whether a waiting hit was answered with a quota lease (see
-    /// [`SlotBoard::leases_granted`]).
+    /// [`SlotBoard::take_leases_granted`]).
     pub(super) fn any_leased(&self) -> bool {
         self.leased.load(Ordering::Acquire)
     }
