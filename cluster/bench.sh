@@ -234,6 +234,15 @@ single_run() {
 
 single_run single
 
+# join_nodes_4_and_5 CONSISTENCY LABEL: grows the running cluster to five
+# nodes (each started with the cluster's consistency, or it is refused);
+# their output in $OUT_DIR/join-LABEL-N.txt.
+join_nodes_4_and_5() {
+  for n in 4 5; do
+    CONSISTENCY=$1 "$ROOT/cluster/local.sh" join "$n" > "$OUT_DIR/join-$2-$n.txt"
+  done
+}
+
 for mode in strict fast aware; do
   echo "three nodes, $mode" >&2
   consistency=$mode; flags=()
@@ -243,8 +252,7 @@ for mode in strict fast aware; do
   cluster_run "$mode" 3 "${flags[@]}"
   if [[ $mode == fast ]]; then
     echo "five nodes, fast (nodes 4 and 5 join)" >&2
-    CONSISTENCY=fast "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-fast-4.txt"
-    CONSISTENCY=fast "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-fast-5.txt"
+    join_nodes_4_and_5 fast fast
     wait_balanced "$TOLLGATE" 5
     cluster_run five-fast 5
   fi
@@ -258,8 +266,7 @@ for mode in strict fast aware; do
     echo "$before $after $(getconf CLK_TCK) $IDLE_SECONDS" \
       | awk '{printf "%.2f\n", 100 * (($3-$1)+($4-$2)) / $5 / $6}' > "$OUT_DIR/idle.percent"
     echo "five nodes, strict (nodes 4 and 5 join)" >&2
-    "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-4.txt"
-    "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-5.txt"
+    join_nodes_4_and_5 strict strict
     wait_balanced "$TOLLGATE" 5 # leader balancing hands the new nodes their share
     cluster_run five 5
     # Again with CONNECTIONS x 25/9 connections: a closed loop keeps
@@ -281,8 +288,7 @@ for consistency in strict fast; do
   name=five-ring; [[ $consistency == fast ]] && name=five-ring-fast
   CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up-$name.txt"
   wait_balanced "$TOLLGATE" 3
-  CONSISTENCY=$consistency "$ROOT/cluster/local.sh" join 4 > "$OUT_DIR/join-$name-4.txt"
-  CONSISTENCY=$consistency "$ROOT/cluster/local.sh" join 5 > "$OUT_DIR/join-$name-5.txt"
+  join_nodes_4_and_5 "$consistency" "$name"
   wait_first_replicas_lead "$TOLLGATE"
   cluster_run "$name" 5
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$name.txt" || true

@@ -226,14 +226,7 @@ impl SectionEnd {
     /// counting it committed.
     pub fn answer_leased(&self, shard: u32, decision: Answer, lease: u32) -> WireDecision {
         match self {
-            SectionEnd::Committed => match (decision, lease) {
-                (Answer::Hit(hit), 1..) if hit.allowed => WireDecision::Leased {
-                    credit: hit.credit,
-                    next_reset_seconds: hit.next_reset_seconds,
-                    lease,
-                },
-                _ => decision.into(),
-            },
+            SectionEnd::Committed => WireDecision::with_lease(decision, lease),
             SectionEnd::Superseded(term) => WireDecision::Retry {
                 shard,
                 why: ShardRefusal::Superseded(*term),

@@ -162,6 +162,20 @@ impl From<Answer> for WireDecision {
 }
 
 impl WireDecision {
+    /// The answer to a forwarded hit decided `decision`, granted a quota
+    /// lease of `lease` credits: [`WireDecision::Leased`] for an admitted
+    /// hit with a lease, else the decision alone.
+    pub fn with_lease(decision: Answer, lease: u32) -> WireDecision {
+        match decision {
+            Answer::Hit(hit) if hit.allowed && lease > 0 => WireDecision::Leased {
+                credit: hit.credit,
+                next_reset_seconds: hit.next_reset_seconds,
+                lease,
+            },
+            _ => decision.into(),
+        }
+    }
+
     /// The text a client sees for a shard that could not decide.
     pub fn describe(shard: u32, why: &ShardRefusal) -> String {
         format!("shard {shard} unavailable: {why}")

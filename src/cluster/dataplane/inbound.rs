@@ -405,14 +405,7 @@ impl DataPlane {
                         waiter,
                     },
                 ));
-                answer_now.then(|| match lease {
-                    0 => decision.into(),
-                    lease => WireDecision::Leased {
-                        credit: decision.credit,
-                        next_reset_seconds: decision.next_reset_seconds,
-                        lease,
-                    },
-                })
+                answer_now.then(|| WireDecision::with_lease(decision.into(), lease))
             }
             LocalDecision::Full(StoreFull { live_keys_max }) => Some(WireDecision::Full {
                 live_keys_max: live_keys_max as u64,

@@ -322,20 +322,9 @@ impl LeaseCache {
         let entry = &mut set[way];
         match entry.kind {
             Kind::Leased => {
-                if entry.leader == leader
-                    && entry.left > 0
-                    && now.saturating_add(1_000) < entry.stamp
-                {
-                    let credit = entry.credit;
-                    let decision = Decision {
-                        allowed: true,
-                        credit: i64::from(credit),
-                        next_reset_seconds: crate::limiter::round_ms_to_seconds(u64::from(
-                            entry.stamp - now,
-                        )),
-                    };
+                if let Some(decision) = entry.next_hit(leader, now) {
                     entry.left -= 1;
-                    entry.credit = credit.saturating_sub(1);
+                    entry.credit = entry.credit.saturating_sub(1);
                     if entry.left == 0 {
                         // Spent: the next ask is for the pace it was spent
                         // at (its hits and the forwarded one), at most four
@@ -387,18 +376,10 @@ impl LeaseCache {
     pub fn peek(&mut self, key: &[u8], hash: u64, leader: NodeId, now_ms: u64) -> Option<Decision> {
         let leader = u32::try_from(leader).ok()?;
         let now = self.at(now_ms);
-        let entry = self.entries[self.set_of(hash)]
+        self.entries[self.set_of(hash)]
             .iter()
-            .find(|entry| entry.holds(key))?;
-        let usable = entry.kind == Kind::Leased
-            && entry.leader == leader
-            && entry.left > 0
-            && now.saturating_add(1_000) < entry.stamp;
-        usable.then(|| Decision {
-            allowed: true,
-            credit: i64::from(entry.credit),
-            next_reset_seconds: crate::limiter::round_ms_to_seconds(u64::from(entry.stamp - now)),
-        })
+            .find(|entry| entry.holds(key))?
+            .next_hit(leader, now)
     }
 
     /// The leader's answer to an ask for `key`'s counter sent at `sent_ms`:
@@ -445,6 +426,22 @@ impl LeaseCache {
 }
 
 impl Entry {
+    /// Whether the lease still has credits it may admit at `now`: until a
+    /// second before its reset (whoever leads the shard).
+    fn usable(&self, now: u32) -> bool {
+        self.kind == Kind::Leased && self.left > 0 && now.saturating_add(1_000) < self.stamp
+    }
+
+    /// The answer of the lease's next hit at `now`, if the lease is usable
+    /// and `leader` still leads its shard (nothing taken).
+    fn next_hit(&self, leader: u32, now: u32) -> Option<Decision> {
+        (self.leader == leader && self.usable(now)).then(|| Decision {
+            allowed: true,
+            credit: i64::from(self.credit),
+            next_reset_seconds: crate::limiter::round_ms_to_seconds(u64::from(self.stamp - now)),
+        })
+    }
+
     fn holds(&self, key: &[u8]) -> bool {
         self.kind != Kind::Free && self.key[..usize::from(self.key_len)] == *key
     }
@@ -453,7 +450,7 @@ impl Entry {
     /// still be used, or an ask still waiting for its answer.
     fn pinned(&self, now: u32, ask_hold_ms: u32) -> bool {
         match self.kind {
-            Kind::Leased => self.left > 0 && now.saturating_add(1_000) < self.stamp,
+            Kind::Leased => self.usable(now),
             Kind::Asking => now < self.stamp.saturating_add(ask_hold_ms),
             Kind::Free | Kind::Seen => false,
         }
