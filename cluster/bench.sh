@@ -15,9 +15,13 @@
 #    straight to its shard's leader); five nodes strict (nodes 4 and 5
 #    joined with `cluster add-node`), then again with CONNECTIONS x 25/9
 #    connections (as many hits in flight per peer link as three nodes
-#    have); five nodes fast (nodes 4 and 5 joined to the fast cluster); five
-#    nodes strict, then fast, with ring placement (`placement = ring`,
-#    nodes 4 and 5 joined likewise); then one node again. Fast mode runs
+#    have); five nodes fast (nodes 4 and 5 joined to the fast cluster), then
+#    again with CONNECTIONS x 5/3 connections (as many per node as three
+#    nodes have); five nodes strict, then fast, with ring placement
+#    (`placement = ring`, nodes 4 and 5 joined likewise); three, then five
+#    independent single nodes (no cluster: what that many processes cost
+#    on these cores, the floor under the five-node ratio); then one node
+#    again. Fast mode runs
 #    with its defaults, quota leases included (docs/cluster.md, "Quota
 #    leases"); strict mode with its own, without leases. The ratios to one node use the mean of its
 #    two runs: a single run of it swung the ratios by up to 15 % from one
@@ -234,6 +238,33 @@ single_run() {
 
 single_run single
 
+# independent_run NAME NODES: NODES single nodes, no cluster, each loaded
+# with a share of the connections as a cluster's nodes are: what that many
+# processes sharing this machine's cores cost per hit without any cluster
+# work (the floor under the five-node target's ratio).
+independent_run() {
+  local name=$1 nodes=$2 pids=() n
+  echo "$nodes independent single nodes ($name)" >&2
+  for n in $(seq 1 "$nodes"); do
+    "$TOLLGATE" serve --listen "127.0.0.1:$((BASE_PORT + n - 1))" "$RULES" > "$OUT_DIR/$name-$n.log" 2>&1 &
+    pids+=($!)
+  done
+  sleep 1
+  for n in $(seq 1 "$nodes"); do
+    kill -0 "${pids[n - 1]}" 2> /dev/null \
+      || { echo "bench.sh: single node $n did not start: $(tail -1 "$OUT_DIR/$name-$n.log")" >&2; exit 1; }
+  done
+  measure "$name" "" "${pids[@]}" &
+  for n in $(seq 1 "$nodes"); do
+    load "$name-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / nodes))" &
+  done
+  wait
+  kill "${pids[@]}"; wait "${pids[@]}" 2> /dev/null || true
+  echo "$nodes" > "$OUT_DIR/$name.nodes"
+}
+independent_run singles-3 3
+independent_run singles-5 5
+
 # join_nodes_4_and_5 CONSISTENCY LABEL: grows the running cluster to five
 # nodes (each started with the cluster's consistency, or it is refused);
 # their output in $OUT_DIR/join-LABEL-N.txt.
@@ -255,6 +286,10 @@ for mode in strict fast aware; do
     join_nodes_4_and_5 fast fast
     wait_balanced "$TOLLGATE" 5
     cluster_run five-fast 5
+    # Again with as many connections per node as three nodes have
+    # (CONNECTIONS x 5/3): the same load on each node, as when a cluster
+    # grows with its clients. Context for the five-node target.
+    CONNECTIONS=$(( CONNECTIONS * 5 / 3 )) cluster_run five-fast-scaled 5
   fi
   if [[ $mode == strict ]]; then
     echo "idle three-node cluster, ${IDLE_SECONDS} s" >&2
@@ -370,7 +405,7 @@ def read(name):
         return json.load(f)
 def runs(name):
     nodes = int(open(path(name + ".nodes")).read())
-    return [read(name)] if name.startswith("single") else [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
+    return [read(name)] if name in ("single", "single-again") else [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
 def cpu(name):
     user, system = map(float, open(path(name + ".cpu")).read().split())
     return user, system
@@ -397,7 +432,11 @@ for name, label in [("single", "one node"), ("strict", "three nodes, strict"), (
                     ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
                     ("five-scaled", "five nodes, strict, {connections} connections"),
                     ("five-ring", "five nodes, strict, ring placement"),
-                    ("five-fast", "five nodes, fast"), ("five-ring-fast", "five nodes, fast, ring placement"),
+                    ("five-fast", "five nodes, fast"),
+                    ("five-fast-scaled", "five nodes, fast, {connections} connections"),
+                    ("five-ring-fast", "five nodes, fast, ring placement"),
+                    ("singles-3", "three independent single nodes (no cluster)"),
+                    ("singles-5", "five independent single nodes (no cluster)"),
                     ("single-again", "one node, again (after the clusters)")]:
     r = runs(name)
     label = label.format(connections=sum(x["config"]["connections"] for x in r))
@@ -433,7 +472,8 @@ print("Data path during the measured window (all nodes together):")
 print()
 print("| setup | rounds/s | states per round | states per shard section | hits per forwarded batch | frames per write | writes per hit |")
 print("|---|---:|---:|---:|---:|---:|---:|")
-for name in ("strict", "fast", "aware", "five", "five-scaled", "five-ring", "five-fast", "five-ring-fast"):
+for name in ("strict", "fast", "aware", "five", "five-scaled", "five-ring", "five-fast", "five-fast-scaled",
+             "five-ring-fast"):
     s = rows[name]["stats"]
     if not s:
         continue
@@ -486,6 +526,14 @@ print(f"| five nodes strict, ring placement: CPU per hit / three nodes' | "
 print(f"| five nodes fast: CPU per hit / three nodes' | {rows['five-fast']['cpu'] / rows['fast']['cpu']:.2f}x | <= 1.15x |")
 print(f"| five nodes fast, ring placement: CPU per hit / three nodes' | "
       f"{rows['five-ring-fast']['cpu'] / rows['fast']['cpu']:.2f}x | <= 1.15x |")
+floor = rows["singles-5"]["cpu"] / rows["singles-3"]["cpu"]
+print(f"| (five independent single nodes: CPU per hit / three's, no cluster at all: this machine's floor) | "
+      f"{floor:.2f}x | context |")
+print(f"| (five nodes fast / three, over that floor: what the cluster adds) | "
+      f"{rows['five-fast']['cpu'] / rows['fast']['cpu'] / floor:.2f}x | context |")
+print(f"| (five nodes strict / three, over that floor) | {rows['five']['cpu'] / rows['strict']['cpu'] / floor:.2f}x | context |")
+print(f"| (five nodes fast with as many connections per node as three: CPU per hit / three nodes') | "
+      f"{rows['five-fast-scaled']['cpu'] / rows['fast']['cpu']:.2f}x | context |")
 print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms | <= 2 ms |")
 if failover_ms:
     ms = sorted(failover_ms)

@@ -351,7 +351,6 @@ impl App {
             config.strict_rules,
             Arc::clone(&store),
             Arc::clone(&clock),
-            threads,
         )
         .map_err(AppError::Cluster)?;
         if let Some(cluster) = &cluster {

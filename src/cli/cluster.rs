@@ -114,7 +114,7 @@ pub struct ClusterArgs {
     pub lease_credits_max: Option<u32>,
 
     /// Counters this node keeps quota leases for (64 bytes
-    /// each, shared out among the serving threads); a counter it forwards
+    /// each, in one table its serving threads share); a counter it forwards
     /// while every place it could take holds a lease is forwarded without
     /// asking for one. 0: this node asks for no lease. At most 16777216
     /// (1 GiB).

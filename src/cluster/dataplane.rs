@@ -23,7 +23,7 @@ mod inbound;
 
 use super::data_frames::{put_op, OpView};
 use super::disk::NodeDisk;
-use super::forward::{ForwardPart, ForwardWait, SlotBoard};
+use super::forward::{ForwardPart, ForwardWait, LeaseTable, SlotBoard};
 pub use super::outbox::PeerOut;
 use super::placement::Placement;
 use super::replica::Replica;
@@ -38,7 +38,7 @@ use parking_lot::{Mutex, RwLock};
 use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
@@ -58,9 +58,9 @@ pub struct DataSettings {
     /// leader, beside a forwarded hit (`forward/leases.rs`); 0: none, and
     /// this node asks for none.
     pub lease_credits_max: u32,
-    /// Fast mode: entries of each serving thread's lease table (a power of
-    /// two, or 0: this node asks for no lease).
-    pub lease_counters_per_thread: usize,
+    /// Entries of this node's lease table, shared by its serving threads
+    /// (a power of two, or 0: this node asks for no lease).
+    pub lease_counters: usize,
 }
 
 /// Counters of the data path, for `/metrics` and `cluster status`.
@@ -158,6 +158,9 @@ pub struct DataPlane {
     connected_peers: Mutex<Vec<NodeId>>,
     pub connect_events: Notify,
     epoch: Instant,
+    /// The quota leases this node holds (`forward/leases.rs`), made at its
+    /// first forwarded hit that may ask for one.
+    leases: OnceLock<LeaseTable>,
 }
 
 impl DataPlane {
@@ -192,6 +195,7 @@ impl DataPlane {
             connected_peers: Mutex::default(),
             connect_events: Notify::new(),
             epoch: Instant::now(),
+            leases: OnceLock::new(),
         }
     }
 
@@ -208,7 +212,24 @@ impl DataPlane {
     /// Whether this node asks for quota leases for the hits it forwards:
     /// [`DataPlane::leasing`], with room for them (`--lease-counters-max`).
     pub fn asks_leases(&self) -> bool {
-        self.leasing() && self.settings.lease_counters_per_thread > 0
+        self.leasing() && self.settings.lease_counters > 0
+    }
+
+    /// This node's lease table, made now if it was not yet (see
+    /// [`DataPlane::asks_leases`]).
+    pub fn lease_table(&self) -> &LeaseTable {
+        self.leases.get_or_init(|| {
+            LeaseTable::new(
+                self.clock.now_ms(),
+                self.settings.forward_timeout_ms,
+                self.settings.lease_counters,
+            )
+        })
+    }
+
+    /// This node's lease table if it was made (nothing is made).
+    pub fn lease_table_made(&self) -> Option<&LeaseTable> {
+        self.leases.get()
     }
 
     /// Whether the link to `peer` talks peer protocol minor `minor` or

@@ -43,7 +43,7 @@ use board::{result_of, Slot, SlotAnswer};
 pub use board::{ForwardPart, ForwardWait, SlotBoard};
 use denials::remembered_denial;
 use leases::{lease_peek, lease_use, leases_with, LeaseUse};
-pub use leases::{lease_size, lease_table_entries, prefetch_lease};
+pub use leases::{lease_size, lease_table_entries, prefetch_lease, LeaseTable};
 
 /// How [`ClusterBatch::route`] left an op.
 enum Routed {
@@ -272,7 +272,7 @@ impl ClusterBatch {
                     if op.peek {
                         // As the lease's next hit would be answered, if
                         // this thread holds one; else as the leader would.
-                        if let Some(peeked) = lease_peek(op.key, hash, peer, now_ms) {
+                        if let Some(peeked) = lease_peek(dp, op.key, hash, peer, now_ms) {
                             return Routed::Now(peeked);
                         }
                     } else {

@@ -603,7 +603,6 @@ pub fn start(
     strict_rules: bool,
     store: Arc<MemoryStore>,
     clock: Arc<dyn Clock>,
-    serving_threads: usize,
 ) -> Result<Option<Cluster>, ClusterError> {
     let Some(path) = &args.cluster_file else {
         return Ok(None);
@@ -676,10 +675,7 @@ pub fn start(
             lease_credits_max: args
                 .lease_credits_max
                 .unwrap_or(default_lease_credits_max(args.consistency)),
-            lease_counters_per_thread: forward::lease_table_entries(
-                args.lease_counters_max,
-                serving_threads,
-            ),
+            lease_counters: forward::lease_table_entries(args.lease_counters_max),
         },
     ));
     let links = Arc::new(links::Links::new(

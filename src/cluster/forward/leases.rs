@@ -8,10 +8,10 @@
 //! Both sides live here. The leader sizes a lease with [`lease_size`]: at
 //! most what was asked, `--lease-credits-max`, and a sixty-fourth of the
 //! credit left, and none for a window ending within three seconds. The
-//! forwarding node keeps its leases in a [`LeaseCache`] per serving thread
-//! and asks for about [`ASK_HORIZON_MS`] of its own demand for the counter
-//! (measured from the hits it forwards and the pace it spent its last
-//! lease at), only for a counter it forwarded before within that time, so
+//! forwarding node keeps its leases in one [`LeaseTable`], shared by its
+//! serving threads, and asks for about [`ASK_HORIZON_MS`] of its own
+//! demand for the counter (measured from the hits it forwards and the pace
+//! it spent its last lease at), only for a counter it forwarded before within that time, so
 //! a counter hit once in a while never holds credits it will not use.
 //!
 //! What it costs in exactness: a lease is never over-admission while its
@@ -20,8 +20,8 @@
 //! leader admitted; in strict mode they were committed before the lease
 //! was sent: docs/cluster.md, "Quota leases"); credits a node holds and
 //! does not use (its clients stopped hitting the counter) are under-admission
-//! until the window resets: at most one lease per counter, node and serving
-//! thread, a sixty-fourth of the credit left when it was granted. A held lease
+//! until the window resets: at most one lease per counter and node, a
+//! sixty-fourth of the credit left when it was granted. A held lease
 //! is never evicted; when the cache has no room, the node forwards without
 //! asking. A node stops using a lease when another node becomes the shard's
 //! leader, and a second before the reset the leader announced. The `credit`
@@ -33,6 +33,7 @@ use crate::cluster::data_frames::OpView;
 use crate::cluster::dataplane::DataPlane;
 use crate::cluster::NodeId;
 use crate::limiter::Decision;
+use parking_lot::Mutex;
 use smallvec::SmallVec;
 
 /// A lease is at most this fraction (1 / N) of the credit left after the
@@ -67,16 +68,8 @@ pub fn leasable(op: &OpView<'_>) -> bool {
         && op.key.len() <= KEY_BYTES_MAX
 }
 
-thread_local! {
-    /// The serving thread's quota leases, made at its
-    /// first forwarded hit that may ask for one.
-    static LEASES: std::cell::RefCell<Option<LeaseCache>> =
-        const { std::cell::RefCell::new(None) };
-}
-
 /// A forwarded hit on `key`'s counter (of store hash `hash`), whose shard
-/// `leader` leads, seen by this thread's leases (a [`leasable`]
-/// op).
+/// `leader` leads, seen by this node's leases (a [`leasable`] op).
 pub(super) fn lease_use(
     dp: &DataPlane,
     key: &[u8],
@@ -84,43 +77,29 @@ pub(super) fn lease_use(
     leader: NodeId,
     now_ms: u64,
 ) -> LeaseUse {
-    LEASES
-        .try_with(|cache| {
-            let mut cache = cache.borrow_mut();
-            let cache = cache.get_or_insert_with(|| {
-                LeaseCache::new(
-                    now_ms,
-                    dp.settings.forward_timeout_ms,
-                    dp.settings.lease_counters_per_thread,
-                )
-            });
-            cache.take(key, hash, leader, now_ms)
-        })
-        .unwrap_or(LeaseUse::Forward)
+    dp.lease_table().take(key, hash, leader, now_ms)
 }
 
 /// Prefetches what routing a hit on the counter of store hash `hash` will
-/// read of this thread's leases, if it has any (see
-/// [`LeaseCache::prefetch`]).
+/// read of this node's leases, if it has any (see
+/// [`LeaseTable::prefetch`]).
 #[inline(always)]
 pub fn prefetch_lease(dp: &DataPlane, hash: u64) {
-    if !dp.asks_leases() {
-        return;
+    if let Some(table) = dp.lease_table_made() {
+        table.prefetch(hash);
     }
-    let _ = LEASES.try_with(|cache| {
-        if let Some(cache) = cache.borrow().as_ref() {
-            cache.prefetch(hash);
-        }
-    });
 }
 
-/// A forwarded `PEEK` of `key`'s counter answered from this thread's lease
-/// for it, if it holds one it can use (see [`LeaseCache::peek`]).
-pub(super) fn lease_peek(key: &[u8], hash: u64, leader: NodeId, now_ms: u64) -> Option<Decision> {
-    LEASES
-        .try_with(|cache| cache.borrow_mut().as_mut()?.peek(key, hash, leader, now_ms))
-        .ok()
-        .flatten()
+/// A forwarded `PEEK` of `key`'s counter answered from this node's lease
+/// for it, if it holds one it can use (see [`LeaseTable::peek`]).
+pub(super) fn lease_peek(
+    dp: &DataPlane,
+    key: &[u8],
+    hash: u64,
+    leader: NodeId,
+    now_ms: u64,
+) -> Option<Decision> {
+    dp.lease_table_made()?.peek(key, hash, leader, now_ms)
 }
 
 /// Whether `peer` reads a lease's ask and answers with one (`known`: the
@@ -138,22 +117,21 @@ pub(super) fn leases_with(
     speaks
 }
 
-/// Keeps in this thread's table the leases granted to `board`'s waiting
+/// Keeps in this node's table the leases granted to `board`'s waiting
 /// hits since it last looked (its batch sent at `sent_ms`).
 pub(super) fn keep_granted(dp: &DataPlane, board: &SlotBoard, sent_ms: u64) {
-    let _ = LEASES.try_with(|cache| {
-        if let Some(cache) = cache.borrow_mut().as_mut() {
-            board.take_leases_granted(|key, lease, decision| {
-                let hash = dp.store.key_hash(key);
-                let (credit, reset) = (decision.credit, decision.next_reset_seconds);
-                cache.granted(key, hash, lease, credit, reset, sent_ms);
-            });
-        }
+    let Some(table) = dp.lease_table_made() else {
+        return;
+    };
+    board.take_leases_granted(|key, lease, decision| {
+        let hash = dp.store.key_hash(key);
+        let (credit, reset) = (decision.credit, decision.next_reset_seconds);
+        table.granted(key, hash, lease, credit, reset, sent_ms);
     });
 }
 
 /// How much of its own demand a node asks for: about this many
-/// milliseconds of the counter's hits through this thread. A second's
+/// milliseconds of the counter's hits through this node. A second's
 /// worth left the bench's counters (hit two to four times a second per
 /// node) forwarding one hit in five; sixteen seconds' worth, within the
 /// leader's caps, costs nothing more in what a lease may strand (a
@@ -164,23 +142,25 @@ const ASK_HORIZON_MS: u32 = 16_000;
 /// Most credits asked at once (an entry counts them in 16 bits).
 const ASK_MAX: u32 = u16::MAX as u32;
 
-/// Entries of a set: a counter may take either, by its hash.
-const WAYS: usize = 2;
-/// Fewest entries of a thread's table (when `--lease-counters-max` is
-/// shared out among many threads).
+/// Entries of a set: a counter may take any, by its hash. One table of
+/// four-way sets for the node, rather than one of two-way sets per serving
+/// thread in the same memory, took the hits five fast nodes forward from
+/// 5.2 % to 2.0 % (and three nodes' from 3.1 % to 1.4 %; docs/benchmarks.md,
+/// "Twenty-fifth round").
+const WAYS: usize = 4;
+/// Fewest entries of a node's table.
 const TABLE_ENTRIES_MIN: usize = 1_024;
 
-/// The entries of each serving thread's table: `counters_max` (the node's,
-/// `--lease-counters-max`) shared out among `threads`, a power of two of
-/// at least [`TABLE_ENTRIES_MIN`]; 0 when `counters_max` is 0 (no leases
-/// asked for).
-pub fn lease_table_entries(counters_max: usize, threads: usize) -> usize {
+/// The entries of a node's table for `--lease-counters-max` of
+/// `counters_max`: the largest power of two within it, at least
+/// [`TABLE_ENTRIES_MIN`]; 0 when `counters_max` is 0 (no leases asked
+/// for).
+pub fn lease_table_entries(counters_max: usize) -> usize {
     if counters_max == 0 {
         return 0;
     }
-    let share = (counters_max / threads.max(1)).max(TABLE_ENTRIES_MIN);
-    // The largest power of two within the share.
-    1 << (usize::BITS - 1 - share.leading_zeros())
+    let entries = counters_max.max(TABLE_ENTRIES_MIN);
+    1 << (usize::BITS - 1 - entries.leading_zeros())
 }
 /// Longest counter key kept (a rule's 8-byte id and an actor of up to 32
 /// bytes); longer ones are forwarded every time.
@@ -202,36 +182,59 @@ enum Kind {
     Leased,
 }
 
-/// One counter's lease or recent forward, 64 bytes, one cache line (times
-/// in ms from the cache's `base_ms`).
+/// Milliseconds in an epoch of a table's time (about 24.8 days): its
+/// entries count their times in milliseconds into an epoch, in 32 bits.
+const EPOCH_MS: u64 = 1 << 31;
+
+/// A moment of a table's time: the epoch since the table was made
+/// (wrapping after 256) and the milliseconds into it.
 #[derive(Clone, Copy)]
-#[repr(C, align(64))]
+struct Moment {
+    epoch: u8,
+    ms: u32,
+}
+
+/// One counter's lease or recent forward, 63 bytes (times in ms into the
+/// entry's `epoch`, see [`Moment`]); packed, so that a set of four and its
+/// lock fit four cache lines.
+#[derive(Clone, Copy)]
+#[repr(C, packed)]
 struct Entry {
     key: [u8; KEY_BYTES_MAX],
     key_len: u8,
     kind: Kind,
+    /// The epoch the entry's times are in; an entry of another is free.
+    epoch: u8,
     left: u16,
+    size: u16,
     leader: u32,
     /// The credit the next hit answered from the lease reports.
     credit: u32,
     stamp: u32,
     since: u32,
-    size: u16,
 }
 
 const EMPTY: Entry = Entry {
     key: [0; KEY_BYTES_MAX],
     key_len: 0,
     kind: Kind::Free,
+    epoch: 0,
     left: 0,
+    size: 0,
     leader: 0,
     credit: 0,
     stamp: 0,
     since: 0,
-    size: 0,
 };
 
-/// What [`LeaseCache::take`] says about a forwarded hit.
+/// A set's entries behind the lock its node's serving threads take them
+/// with: four cache lines, all prefetched before the set is looked at.
+#[repr(C, align(64))]
+struct Set(Mutex<[Entry; WAYS]>);
+
+const _: () = assert!(std::mem::size_of::<Set>() == 64 * WAYS);
+
+/// What [`LeaseTable::take`] says about a forwarded hit.
 #[derive(Debug, PartialEq, Eq)]
 pub enum LeaseUse {
     /// Admitted from a lease this node holds: answer it here.
@@ -242,79 +245,83 @@ pub enum LeaseUse {
     Forward,
 }
 
-/// A serving thread's leases and recent forwards by counter key (see the
-/// module doc): two-way sets by hash; a held lease is never replaced.
-pub struct LeaseCache {
-    /// Sets of [`WAYS`] entries, a power of two of them, allocated at the
-    /// thread's first forwarded hit that may ask (64 bytes an entry).
-    entries: Box<[[Entry; WAYS]]>,
-    /// The clock reading (ms) entries' times count from.
-    base_ms: u64,
+/// A node's leases and recent forwards by counter key (see the module
+/// doc), shared by its serving threads: four-way sets by hash, each behind
+/// its own lock; a held lease is never replaced.
+pub struct LeaseTable {
+    /// A power of two of sets, allocated when the table is made (at the
+    /// node's first forwarded hit that may ask; 64 bytes an entry).
+    sets: Box<[Set]>,
+    /// The clock reading (ms) the table's time counts from.
+    origin_ms: u64,
     /// How long an ask stands without its answer (the forward timeout).
     ask_hold_ms: u32,
 }
 
-impl LeaseCache {
+impl LeaseTable {
     /// A table of `entries` (a power of two, see [`lease_table_entries`]).
-    pub fn new(now_ms: u64, ask_hold_ms: u64, entries: usize) -> LeaseCache {
+    pub fn new(now_ms: u64, ask_hold_ms: u64, entries: usize) -> LeaseTable {
         let sets = (entries / WAYS).next_power_of_two();
-        LeaseCache {
-            entries: vec![[EMPTY; WAYS]; sets].into_boxed_slice(),
-            base_ms: now_ms,
+        LeaseTable {
+            sets: (0..sets).map(|_| Set(Mutex::new([EMPTY; WAYS]))).collect(),
+            origin_ms: now_ms,
             ask_hold_ms: ask_hold_ms.min(u64::from(u32::MAX / 4)) as u32,
         }
     }
 
-    /// Asks the CPU for the lines a [`LeaseCache::take`] of a key of
+    /// Asks the CPU for the lines a [`LeaseTable::take`] of a key of
     /// `hash` will read (a read batch's are asked for before any is routed,
     /// so that their misses overlap: looked up cold, the table cost 0.13 µs
     /// per forwarded hit; docs/benchmarks.md, "Twenty-fourth round").
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
-        let set = &self.entries[self.set_of(hash)];
-        crate::store::table::prefetch_line(&set[0]);
-        crate::store::table::prefetch_line(&set[WAYS - 1]);
-    }
-
-    /// The set of a key of `hash` (`entries` has a power of two of them).
-    fn set_of(&self, hash: u64) -> usize {
-        (hash >> 32) as usize & (self.entries.len() - 1)
-    }
-
-    /// `now_ms` in the entries' time; past a few weeks the cache starts
-    /// over (dropping its leases: under-admission until their windows end).
-    fn at(&mut self, now_ms: u64) -> u32 {
-        let since_base = now_ms.saturating_sub(self.base_ms);
-        if since_base >= u64::from(u32::MAX / 2) {
-            self.entries.iter_mut().for_each(|set| *set = [EMPTY; WAYS]);
-            self.base_ms = now_ms;
-            return 0;
+        let set: *const Set = self.set_of(hash);
+        for line in 0..WAYS {
+            crate::store::table::prefetch_line(set.cast::<[u8; 64]>().wrapping_add(line));
         }
-        since_base as u32
+    }
+
+    /// The set of a key of `hash` (`sets` has a power of two of them).
+    fn set_of(&self, hash: u64) -> &Set {
+        &self.sets[(hash >> 32) as usize & (self.sets.len() - 1)]
+    }
+
+    /// `now_ms` in the table's time. An entry of an earlier epoch is free:
+    /// a lease held across an epoch's end (every 24.8 days) is dropped
+    /// (under-admission until its window ends).
+    fn at(&self, now_ms: u64) -> Moment {
+        let since = now_ms.saturating_sub(self.origin_ms);
+        Moment {
+            epoch: (since / EPOCH_MS) as u8,
+            ms: (since % EPOCH_MS) as u32,
+        }
     }
 
     /// A forwarded hit on `key`'s counter (a [`leasable`] op, `hash` its
     /// key's) whose shard `leader` leads, at `now_ms`: admitted from a
     /// lease, forwarded asking for one, or forwarded as is.
-    pub fn take(&mut self, key: &[u8], hash: u64, leader: NodeId, now_ms: u64) -> LeaseUse {
+    pub fn take(&self, key: &[u8], hash: u64, leader: NodeId, now_ms: u64) -> LeaseUse {
         let Ok(leader) = u32::try_from(leader) else {
             return LeaseUse::Forward;
         };
-        let now = self.at(now_ms);
+        let at = self.at(now_ms);
+        let now = at.ms;
         let ask_hold_ms = self.ask_hold_ms;
-        let set = &mut self.entries[self.set_of(hash)];
-        let Some(way) = set.iter().position(|entry| entry.holds(key)) else {
+        let mut set = self.set_of(hash).0.lock();
+        let Some(way) = set.iter().position(|entry| entry.holds(key, at.epoch)) else {
             // First seen (lately): remembered in a way that holds no lease,
-            // to ask for one if the counter comes back within the horizon.
+            // to ask for one if the counter comes back within the horizon;
+            // a free way first, then the one seen longest ago.
             let free = (0..WAYS)
-                .filter(|&way| !set[way].pinned(now, ask_hold_ms))
-                .min_by_key(|&way| (set[way].kind != Kind::Free, set[way].stamp));
+                .filter(|&way| !set[way].pinned(at, ask_hold_ms))
+                .min_by_key(|&way| (set[way].in_use(at.epoch), set[way].stamp));
             if let Some(way) = free {
                 let entry = &mut set[way];
                 *entry = EMPTY;
                 entry.key[..key.len()].copy_from_slice(key);
                 entry.key_len = key.len() as u8;
                 entry.kind = Kind::Seen;
+                entry.epoch = at.epoch;
                 entry.stamp = now;
             }
             return LeaseUse::Forward;
@@ -330,7 +337,7 @@ impl LeaseCache {
                         // at (its hits and the forwarded one), at most four
                         // times this one.
                         let hits = u64::from(entry.size) + 1;
-                        let took_ms = u64::from(now - entry.since).max(1);
+                        let took_ms = u64::from(now.saturating_sub(entry.since)).max(1);
                         let wanted = (hits * u64::from(ASK_HORIZON_MS) / took_ms)
                             .clamp(1, hits * 4)
                             .min(u64::from(ASK_MAX));
@@ -371,24 +378,24 @@ impl LeaseCache {
     }
 
     /// A `PEEK` of `key`'s counter whose shard `leader` leads, at
-    /// `now_ms`, answered from the lease this thread holds for it, if one
+    /// `now_ms`, answered from the lease this node holds for it, if one
     /// can be used: as the lease's next hit would be.
-    pub fn peek(&mut self, key: &[u8], hash: u64, leader: NodeId, now_ms: u64) -> Option<Decision> {
+    pub fn peek(&self, key: &[u8], hash: u64, leader: NodeId, now_ms: u64) -> Option<Decision> {
         let leader = u32::try_from(leader).ok()?;
-        let now = self.at(now_ms);
-        self.entries[self.set_of(hash)]
-            .iter()
-            .find(|entry| entry.holds(key))?
-            .next_hit(leader, now)
+        let at = self.at(now_ms);
+        let set = self.set_of(hash).0.lock();
+        set.iter()
+            .find(|entry| entry.holds(key, at.epoch))?
+            .next_hit(leader, at.ms)
     }
 
     /// The leader's answer to an ask for `key`'s counter sent at `sent_ms`:
     /// a lease of `lease` credits beside a hit admitted with `credit` left
     /// (the lease not counted) and `next_reset_seconds` to its window's
-    /// reset. Kept while it can be used; a lease this cache no longer
+    /// reset. Kept while it can be used; a lease this node no longer
     /// waits for (its entry replaced after its ask expired) is not.
     pub fn granted(
-        &mut self,
+        &self,
         key: &[u8],
         hash: u64,
         lease: u32,
@@ -397,10 +404,10 @@ impl LeaseCache {
         sent_ms: u64,
     ) {
         let sent = self.at(sent_ms);
-        let set = &mut self.entries[self.set_of(hash)];
+        let mut set = self.set_of(hash).0.lock();
         let Some(entry) = set
             .iter_mut()
-            .find(|entry| entry.holds(key) && entry.kind == Kind::Asking)
+            .find(|entry| entry.holds(key, sent.epoch) && entry.kind == Kind::Asking)
         else {
             return;
         };
@@ -420,12 +427,18 @@ impl LeaseCache {
         entry.left = left;
         entry.size = left;
         entry.credit = credit;
-        entry.since = sent;
-        entry.stamp = sent.saturating_add(seconds.saturating_mul(1_000));
+        entry.since = sent.ms;
+        entry.stamp = sent.ms.saturating_add(seconds.saturating_mul(1_000));
     }
 }
 
 impl Entry {
+    /// Whether the entry holds a counter in `epoch` (one of another epoch
+    /// is free).
+    fn in_use(&self, epoch: u8) -> bool {
+        self.kind != Kind::Free && self.epoch == epoch
+    }
+
     /// Whether the lease still has credits it may admit at `now`: until a
     /// second before its reset (whoever leads the shard).
     fn usable(&self, now: u32) -> bool {
@@ -435,23 +448,28 @@ impl Entry {
     /// The answer of the lease's next hit at `now`, if the lease is usable
     /// and `leader` still leads its shard (nothing taken).
     fn next_hit(&self, leader: u32, now: u32) -> Option<Decision> {
+        let (stamp, credit) = (self.stamp, self.credit);
         (self.leader == leader && self.usable(now)).then(|| Decision {
             allowed: true,
-            credit: i64::from(self.credit),
-            next_reset_seconds: crate::limiter::round_ms_to_seconds(u64::from(self.stamp - now)),
+            credit: i64::from(credit),
+            next_reset_seconds: crate::limiter::round_ms_to_seconds(u64::from(stamp - now)),
         })
     }
 
-    fn holds(&self, key: &[u8]) -> bool {
-        self.kind != Kind::Free && self.key[..usize::from(self.key_len)] == *key
+    fn holds(&self, key: &[u8], epoch: u8) -> bool {
+        self.in_use(epoch) && self.key[..usize::from(self.key_len)] == *key
     }
 
-    /// Whether the entry may not be replaced at `now`: a lease that can
-    /// still be used, or an ask still waiting for its answer.
-    fn pinned(&self, now: u32, ask_hold_ms: u32) -> bool {
+    /// Whether the entry may not be replaced at `at`: a lease that can
+    /// still be used, or an ask still waiting for its answer (of `at`'s
+    /// epoch).
+    fn pinned(&self, at: Moment, ask_hold_ms: u32) -> bool {
+        if !self.in_use(at.epoch) {
+            return false;
+        }
         match self.kind {
-            Kind::Leased => self.usable(now),
-            Kind::Asking => now < self.stamp.saturating_add(ask_hold_ms),
+            Kind::Leased => self.usable(at.ms),
+            Kind::Asking => at.ms < self.stamp.saturating_add(ask_hold_ms),
             Kind::Free | Kind::Seen => false,
         }
     }
@@ -463,7 +481,7 @@ mod tests {
 
     const HOLD_MS: u64 = 2_000;
 
-    fn admitted(cache: &mut LeaseCache, key: &[u8], leader: NodeId, now_ms: u64) -> Decision {
+    fn admitted(cache: &LeaseTable, key: &[u8], leader: NodeId, now_ms: u64) -> Decision {
         match cache.take(key, 7, leader, now_ms) {
             LeaseUse::Admitted(decision) => decision,
             other => panic!("{other:?} at {now_ms}"),
@@ -483,17 +501,17 @@ mod tests {
     }
 
     #[test]
-    fn a_nodes_lease_counters_are_shared_out_among_its_threads() {
-        assert_eq!(lease_table_entries(262_144, 1), 262_144);
-        assert_eq!(lease_table_entries(262_144, 3), 65_536);
-        assert_eq!(lease_table_entries(100_000, 1), 65_536);
-        assert_eq!(lease_table_entries(5_000, 64), 1_024);
-        assert_eq!(lease_table_entries(0, 4), 0);
+    fn a_nodes_table_is_the_largest_power_of_two_within_its_counters() {
+        assert_eq!(lease_table_entries(262_144), 262_144);
+        assert_eq!(lease_table_entries(100_000), 65_536);
+        assert_eq!(lease_table_entries(5), 1_024);
+        assert_eq!(lease_table_entries(0), 0);
+        assert_eq!(LeaseTable::new(0, HOLD_MS, 65_536).sets.len(), 16_384);
     }
 
     #[test]
     fn a_counter_forwarded_once_asks_for_a_lease_the_second_time_within_a_second() {
-        let mut cache = LeaseCache::new(0, HOLD_MS, 4_096);
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
         assert_eq!(cache.take(b"k", 7, 2, 1_000), LeaseUse::Forward);
         // Back 100 ms later: ten a second, so about sixteen seconds' worth.
         assert_eq!(cache.take(b"k", 7, 2, 1_100), LeaseUse::Ask(160));
@@ -506,13 +524,13 @@ mod tests {
 
     #[test]
     fn a_lease_admits_its_credits_counting_down_then_asks_again_at_its_pace() {
-        let mut cache = LeaseCache::new(0, HOLD_MS, 4_096);
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
         cache.take(b"k", 7, 2, 1_000);
         assert_eq!(cache.take(b"k", 7, 2, 1_100), LeaseUse::Ask(160));
         // Admitted with 900 left, lease of 3, window resets in 50 s.
         cache.granted(b"k", 7, 3, 900, 50, 1_100);
         for (at, credit) in [(1_200, 899), (1_300, 898), (1_400, 897)] {
-            let decision = admitted(&mut cache, b"k", 2, at);
+            let decision = admitted(&cache, b"k", 2, at);
             assert!(decision.allowed);
             assert_eq!(decision.credit, credit);
             assert_eq!(
@@ -526,7 +544,7 @@ mod tests {
 
     #[test]
     fn a_peek_answers_as_the_leases_next_hit_would_without_taking_it() {
-        let mut cache = LeaseCache::new(0, HOLD_MS, 4_096);
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
         assert_eq!(cache.peek(b"k", 7, 2, 1_000), None);
         cache.take(b"k", 7, 2, 1_000);
         cache.take(b"k", 7, 2, 1_100);
@@ -537,46 +555,98 @@ mod tests {
             assert_eq!((peeked.allowed, peeked.credit), (true, 899));
         }
         assert_eq!(cache.peek(b"k", 7, 3, 1_200), None, "another leader");
-        assert_eq!(admitted(&mut cache, b"k", 2, 1_300).credit, 899);
-        assert_eq!(admitted(&mut cache, b"k", 2, 1_300).credit, 898);
+        assert_eq!(admitted(&cache, b"k", 2, 1_300).credit, 899);
+        assert_eq!(admitted(&cache, b"k", 2, 1_300).credit, 898);
         assert_eq!(cache.peek(b"k", 7, 2, 1_300), None, "spent");
     }
 
     #[test]
     fn a_lease_stops_with_another_leader_and_a_second_before_the_reset() {
-        let mut cache = LeaseCache::new(0, HOLD_MS, 4_096);
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
         cache.take(b"k", 7, 2, 1_000);
         cache.take(b"k", 7, 2, 1_100);
         cache.granted(b"k", 7, 10, 900, 5, 1_100);
-        admitted(&mut cache, b"k", 2, 1_200);
+        admitted(&cache, b"k", 2, 1_200);
         assert_eq!(cache.take(b"k", 7, 3, 1_300), LeaseUse::Forward);
         assert_eq!(cache.take(b"k", 7, 2, 1_400), LeaseUse::Ask(160));
         cache.granted(b"k", 7, 10, 800, 5, 1_400);
-        admitted(&mut cache, b"k", 2, 5_399);
+        admitted(&cache, b"k", 2, 5_399);
         // 6 400 is the reset it was told; a second before, it stops.
         assert_eq!(cache.take(b"k", 7, 2, 5_400), LeaseUse::Forward);
     }
 
     #[test]
     fn a_held_lease_is_never_replaced_and_a_full_set_forwards_without_asking() {
-        let mut cache = LeaseCache::new(0, HOLD_MS, 4_096);
-        for key in [b"a", b"b"] {
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
+        let held: [&[u8]; WAYS] = [b"a", b"b", b"c", b"d"];
+        for key in held {
             cache.take(key, 7, 2, 1_000);
             assert_eq!(cache.take(key, 7, 2, 1_010), LeaseUse::Ask(1_600));
             cache.granted(key, 7, 5, 500, 60, 1_010);
         }
-        // A third counter of the same set finds no room: forwarded, never
+        // A fifth counter of the same set finds no room: forwarded, never
         // remembered, so never asking.
-        assert_eq!(cache.take(b"c", 7, 2, 1_020), LeaseUse::Forward);
-        assert_eq!(cache.take(b"c", 7, 2, 1_030), LeaseUse::Forward);
-        for key in [b"a", b"b"] {
-            assert_eq!(admitted(&mut cache, key, 2, 1_040).credit, 499);
+        assert_eq!(cache.take(b"e", 7, 2, 1_020), LeaseUse::Forward);
+        assert_eq!(cache.take(b"e", 7, 2, 1_030), LeaseUse::Forward);
+        for key in held {
+            assert_eq!(admitted(&cache, key, 2, 1_040).credit, 499);
         }
+        // Spent, a lease's entry may be taken by another counter.
+        for _ in 0..4 {
+            admitted(&cache, b"a", 2, 1_050);
+        }
+        assert_eq!(cache.take(b"a", 7, 2, 1_060), LeaseUse::Ask(24));
+        cache.granted(b"a", 7, 0, 400, 60, 1_060);
+        assert_eq!(cache.take(b"e", 7, 2, 1_070), LeaseUse::Forward);
+        assert_eq!(cache.take(b"e", 7, 2, 1_080), LeaseUse::Ask(1_600));
+    }
+
+    #[test]
+    fn the_serving_threads_share_a_lease_and_admit_exactly_its_credits() {
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
+        cache.take(b"k", 7, 2, 1_000);
+        assert_eq!(cache.take(b"k", 7, 2, 1_001), LeaseUse::Ask(16_000));
+        cache.granted(b"k", 7, 4_000, 10_000, 60, 1_001);
+        let credits: Vec<Vec<i64>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut credits = Vec::new();
+                        while let LeaseUse::Admitted(decision) = cache.take(b"k", 7, 2, 1_002) {
+                            credits.push(decision.credit);
+                        }
+                        credits
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|thread| thread.join().unwrap())
+                .collect()
+        });
+        let mut all: Vec<i64> = credits.into_iter().flatten().collect();
+        all.sort_unstable();
+        // Every credit once, counting down from the leader's answer.
+        assert_eq!(all, (6_000..=9_999).collect::<Vec<i64>>());
+    }
+
+    #[test]
+    fn a_lease_held_across_an_epoch_is_dropped_and_the_counter_starts_over() {
+        let start = EPOCH_MS - 5_000;
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
+        cache.take(b"k", 7, 2, start);
+        assert_eq!(cache.take(b"k", 7, 2, start + 100), LeaseUse::Ask(160));
+        cache.granted(b"k", 7, 10, 900, 60, start + 100);
+        assert_eq!(admitted(&cache, b"k", 2, start + 200).credit, 899);
+        // Into the next epoch: the entry is free, the counter seen anew.
+        assert_eq!(cache.take(b"k", 7, 2, EPOCH_MS + 1), LeaseUse::Forward);
+        assert_eq!(cache.peek(b"k", 7, 2, EPOCH_MS + 2), None);
+        assert_eq!(cache.take(b"k", 7, 2, EPOCH_MS + 101), LeaseUse::Ask(160));
     }
 
     #[test]
     fn nothing_is_kept_for_an_answer_without_a_lease_or_one_not_asked_for() {
-        let mut cache = LeaseCache::new(0, HOLD_MS, 4_096);
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
         // Not asked for: ignored.
         cache.granted(b"k", 7, 5, 500, 60, 1_000);
         assert_eq!(cache.take(b"k", 7, 2, 1_000), LeaseUse::Forward);
