@@ -254,11 +254,14 @@ independent_run() {
     kill -0 "${pids[n - 1]}" 2> /dev/null \
       || { echo "bench.sh: single node $n did not start: $(tail -1 "$OUT_DIR/$name-$n.log")" >&2; exit 1; }
   done
+  local waits=()
   measure "$name" "" "${pids[@]}" &
+  waits+=($!)
   for n in $(seq 1 "$nodes"); do
     load "$name-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / nodes))" &
+    waits+=($!)
   done
-  wait
+  wait "${waits[@]}"
   kill "${pids[@]}"; wait "${pids[@]}" 2> /dev/null || true
   echo "$nodes" > "$OUT_DIR/$name.nodes"
 }
