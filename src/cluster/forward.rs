@@ -13,8 +13,8 @@
 //! never sent twice.
 //!
 //! A hit for a peer's shard may be answered here instead: `true` from a
-//! quota lease the leader granted this thread (`forward/leases.rs`), `false`
-//! from a denial it remembers (`forward/denials.rs`); a read batch's later
+//! quota lease the leader granted this node (`forward/leases.rs`), `false`
+//! from a denial the thread remembers (`forward/denials.rs`); a read batch's later
 //! hits of a counter whose lease it asked for wait for that answer.
 
 use super::data_frames::{put_bytes, put_op, put_op_params, OpView, Reader};
@@ -173,7 +173,7 @@ pub struct ClusterBatch {
     /// Whether each peer forwarded to talks the peer protocol of leases,
     /// looked up once per batch.
     lease_peers: SmallVec<[(NodeId, bool); 4]>,
-    /// Hits admitted from this thread's leases.
+    /// Hits this batch admitted from its node's leases.
     lease_hits: u64,
     /// Store hashes of the counters whose leases this batch asked for:
     /// their next hits wait for the answer ([`SlotAnswer::AfterLease`]).
@@ -271,7 +271,7 @@ impl ClusterBatch {
                     }
                     if op.peek {
                         // As the lease's next hit would be answered, if
-                        // this thread holds one; else as the leader would.
+                        // this node holds one; else as the leader would.
                         if let Some(peeked) = lease_peek(dp, op.key, hash, peer, now_ms) {
                             return Routed::Now(peeked);
                         }
