@@ -142,11 +142,11 @@ const ASK_HORIZON_MS: u32 = 16_000;
 /// Most credits asked at once (an entry counts them in 16 bits).
 const ASK_MAX: u32 = u16::MAX as u32;
 
-/// Entries of a set: a counter may take any, by its hash. One table of
-/// four-way sets for the node, rather than one of two-way sets per serving
-/// thread in the same memory, took the hits five fast nodes forward from
-/// 5.2 % to 2.0 % (and three nodes' from 3.1 % to 1.4 %; docs/benchmarks.md,
-/// "Twenty-fifth round").
+/// Entries of a set: a counter may take any, by its hash. Four rather
+/// than two, in the same memory, took the hits five fast nodes forward
+/// from 5.2 % to 2.0 % (three nodes' from 3.1 % to 1.4 %): with two, the
+/// 3–5 % of the bench's counters whose set held two leases were forwarded
+/// every time (docs/benchmarks.md, "Twenty-fifth round").
 const WAYS: usize = 4;
 /// Fewest entries of a node's table.
 const TABLE_ENTRIES_MIN: usize = 1_024;
