@@ -304,6 +304,9 @@ impl LeaseTable {
         let Ok(leader) = u32::try_from(leader) else {
             return LeaseUse::Forward;
         };
+        if key.len() > KEY_BYTES_MAX {
+            return LeaseUse::Forward;
+        }
         let at = self.at(now_ms);
         let now = at.ms;
         let ask_hold_ms = self.ask_hold_ms;
@@ -681,5 +684,13 @@ mod tests {
             key: &[0; KEY_BYTES_MAX + 1],
             ..hit
         }));
+        // A key too long for an entry is forwarded, never kept.
+        let cache = LeaseTable::new(0, HOLD_MS, 4_096);
+        for at in [1_000, 1_100] {
+            assert_eq!(
+                cache.take(&[7; KEY_BYTES_MAX + 1], 7, 2, at),
+                LeaseUse::Forward
+            );
+        }
     }
 }
