@@ -217,56 +217,40 @@ cluster_run() {
   echo "$nodes" > "$OUT_DIR/$name.nodes"
 }
 
-# single_run NAME: one node under the closed-loop load, measured.
-single_run() {
-  local name=$1 single m
-  echo "one node ($name)" >&2
-  "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/$name.log" 2>&1 &
-  single=$!
-  sleep 1
-  # A node that could not start (its port taken by a process left over
-  # from an interrupted run) must not let the load measure that process.
-  kill -0 "$single" 2> /dev/null \
-    || { echo "bench.sh: one node did not start: $(tail -1 "$OUT_DIR/$name.log")" >&2; exit 1; }
-  measure "$name" "" "$single" &
-  m=$!
-  load "$name" "127.0.0.1:$BASE_PORT" "$CONNECTIONS"
-  wait "$m"
-  kill "$single"; wait "$single" || true
-  echo 1 > "$OUT_DIR/$name.nodes"
-}
-
-single_run single
-
-# independent_run NAME NODES: NODES single nodes, no cluster, each loaded
-# with a share of the connections as a cluster's nodes are: what that many
-# processes sharing this machine's cores cost per hit without any cluster
-# work (the floor under the five-node target's ratio).
-independent_run() {
-  local name=$1 nodes=$2 pids=() n
-  echo "$nodes independent single nodes ($name)" >&2
+# single_nodes_run NAME NODES: NODES single nodes, no cluster, each loaded
+# with a share of the connections as a cluster's nodes are (one node: the
+# ratios' denominator; three and five: what that many processes sharing
+# this machine's cores cost per hit without any cluster work, the floor
+# under the five-node target's ratio).
+single_nodes_run() {
+  local name=$1 nodes=$2 pids=() waits=() n
+  echo "$nodes single node(s), no cluster ($name)" >&2
   for n in $(seq 1 "$nodes"); do
     "$TOLLGATE" serve --listen "127.0.0.1:$((BASE_PORT + n - 1))" "$RULES" > "$OUT_DIR/$name-$n.log" 2>&1 &
     pids+=($!)
   done
   sleep 1
+  # A node that could not start (its port taken by a process left over
+  # from an interrupted run) must not let the load measure that process.
   for n in $(seq 1 "$nodes"); do
     kill -0 "${pids[n - 1]}" 2> /dev/null \
       || { echo "bench.sh: single node $n did not start: $(tail -1 "$OUT_DIR/$name-$n.log")" >&2; exit 1; }
   done
-  local waits=()
   measure "$name" "" "${pids[@]}" &
   waits+=($!)
   for n in $(seq 1 "$nodes"); do
     load "$name-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / nodes))" &
     waits+=($!)
   done
+  # Not a bare wait: the servers are this shell's jobs too.
   wait "${waits[@]}"
   kill "${pids[@]}"; wait "${pids[@]}" 2> /dev/null || true
   echo "$nodes" > "$OUT_DIR/$name.nodes"
 }
-independent_run singles-3 3
-independent_run singles-5 5
+
+single_nodes_run single 1
+single_nodes_run singles-3 3
+single_nodes_run singles-5 5
 
 # join_nodes_4_and_5 CONSISTENCY LABEL: grows the running cluster to five
 # nodes (each started with the cluster's consistency, or it is refused);
@@ -334,7 +318,7 @@ for consistency in strict fast; do
   rm -rf "$RUN_DIR"
 done
 unset PLACEMENT
-single_run single-again
+single_nodes_run single-again 1
 
 # Step 3: open loop at a third of the strict cluster's maximum.
 RATE=$(python3 - "$OUT_DIR" <<'PY'
@@ -408,7 +392,7 @@ def read(name):
         return json.load(f)
 def runs(name):
     nodes = int(open(path(name + ".nodes")).read())
-    return [read(name)] if name in ("single", "single-again") else [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
+    return [read(f"{name}-node{n}") for n in range(1, nodes + 1)]
 def cpu(name):
     user, system = map(float, open(path(name + ".cpu")).read().split())
     return user, system
