@@ -18,7 +18,10 @@
 #    have); five nodes fast (nodes 4 and 5 joined to the fast cluster), then
 #    again with CONNECTIONS x 5/3 connections (as many per node as three
 #    nodes have); five nodes strict, then fast, with ring placement
-#    (`placement = ring`, nodes 4 and 5 joined likewise); three, then five
+#    (`placement = ring`, nodes 4 and 5 joined likewise), and strict with
+#    ring placement again with leader-aware clients, against three nodes
+#    strict with leader-aware clients (what strict replication itself costs
+#    at five nodes, without the forwarding of plain clients); three, then five
 #    independent single nodes (no cluster: what that many processes cost
 #    on these cores, the floor under the five-node ratio); then one node
 #    again. Fast mode runs
@@ -279,6 +282,9 @@ for mode in strict fast aware; do
     CONNECTIONS=$(( CONNECTIONS * 5 / 3 )) cluster_run five-fast-scaled 5
   fi
   if [[ $mode == strict ]]; then
+    # Strict with leader-aware clients: no hit forwarded, the denominator
+    # of the ring-placed five nodes' leader-aware row below.
+    cluster_run strict-aware 3 --leader-aware --rules "$RULES"
     echo "idle three-node cluster, ${IDLE_SECONDS} s" >&2
     sleep 2
     # shellcheck disable=SC2046
@@ -313,6 +319,9 @@ for consistency in strict fast; do
   join_nodes_4_and_5 "$consistency" "$name"
   wait_first_replicas_lead "$TOLLGATE"
   cluster_run "$name" 5
+  if [[ $consistency == strict ]]; then
+    cluster_run five-ring-aware 5 --leader-aware --rules "$RULES"
+  fi
   "$ROOT/cluster/local.sh" status > "$OUT_DIR/status-$name.txt" || true
   "$ROOT/cluster/local.sh" down > /dev/null
   rm -rf "$RUN_DIR"
@@ -418,7 +427,9 @@ rows = {}
 for name, label in [("single", "one node"), ("strict", "three nodes, strict"), ("fast", "three nodes, fast"),
                     ("aware", "three nodes, fast, leader-aware clients"), ("five", "five nodes, strict"),
                     ("five-scaled", "five nodes, strict, {connections} connections"),
+                    ("strict-aware", "three nodes, strict, leader-aware clients"),
                     ("five-ring", "five nodes, strict, ring placement"),
+                    ("five-ring-aware", "five nodes, strict, ring placement, leader-aware clients"),
                     ("five-fast", "five nodes, fast"),
                     ("five-fast-scaled", "five nodes, fast, {connections} connections"),
                     ("five-ring-fast", "five nodes, fast, ring placement"),
@@ -459,7 +470,8 @@ print("Data path during the measured window (all nodes together):")
 print()
 print("| setup | rounds/s | states per round | states per shard section | hits per forwarded batch | frames per write | writes per hit |")
 print("|---|---:|---:|---:|---:|---:|---:|")
-for name in ("strict", "fast", "aware", "five", "five-scaled", "five-ring", "five-fast", "five-fast-scaled",
+for name in ("strict", "strict-aware", "fast", "aware", "five", "five-scaled", "five-ring", "five-ring-aware",
+             "five-fast", "five-fast-scaled",
              "five-ring-fast"):
     s = rows[name]["stats"]
     if not s:
@@ -510,6 +522,8 @@ print(f"| (five nodes strict with as many hits in flight per peer link as three:
       f"{rows['five-scaled']['cpu'] / rows['strict']['cpu']:.2f}x | context |")
 print(f"| five nodes strict, ring placement: CPU per hit / three nodes' | "
       f"{rows['five-ring']['cpu'] / rows['strict']['cpu']:.2f}x | <= 1.15x |")
+print(f"| (five nodes strict, ring placement, leader-aware clients: CPU per hit / three nodes' strict with "
+      f"leader-aware clients) | {rows['five-ring-aware']['cpu'] / rows['strict-aware']['cpu']:.2f}x | context |")
 print(f"| five nodes fast: CPU per hit / three nodes' | {rows['five-fast']['cpu'] / rows['fast']['cpu']:.2f}x | <= 1.15x |")
 print(f"| five nodes fast, ring placement: CPU per hit / three nodes' | "
       f"{rows['five-ring-fast']['cpu'] / rows['fast']['cpu']:.2f}x | <= 1.15x |")

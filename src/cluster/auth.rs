@@ -43,7 +43,8 @@
 use super::links::LinkError;
 use super::peer_protocol::{advertised, incompatible, note_version_refusal};
 pub use super::peer_protocol::{
-    local_protocol, version_refusals, Protocol, BATCH_ANSWERS_MINOR, PROTOCOL, TEST_PROTOCOL_ENV,
+    local_protocol, version_refusals, Protocol, BATCH_ANSWERS_MINOR, LEASES_MINOR, PROTOCOL,
+    RELAY_ANSWERS_MINOR, TEST_PROTOCOL_ENV,
 };
 pub use super::secrets::{PeerSecrets, Secret, SecretError, SECRET_BYTES_MIN};
 use super::{ClusterError, NodeId};

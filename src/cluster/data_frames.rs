@@ -56,6 +56,15 @@ pub mod tag {
     /// the first's `gap` itself). Peer protocol 2.2
     /// (`peer_protocol::BATCH_ANSWERS_MINOR`).
     pub const BATCH_ANSWERS: u8 = 7;
+    /// Answers for a third node, which forwarded hits whose states the
+    /// ROUND section just before carries, for the receiver (a follower of
+    /// the shard) to send on as an `ANSWERS` section once it has applied
+    /// that section (the leader and it then hold the states, a majority):
+    /// `to varint` (the node that forwarded them), then as `ROUND_ANSWERS`:
+    /// `boot varint` (its incarnation), `round varint, shard varint, count
+    /// varint, (batch, index, decision)*`. Peer protocol 2.4
+    /// (`peer_protocol::RELAY_ANSWERS_MINOR`).
+    pub const RELAY_ANSWERS: u8 = 8;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -529,6 +538,20 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// Reads past `count` answers, `(batch, index, decision)`, checking
+    /// each, and returns their bytes as they are (a relayed section's
+    /// entries, sent on unchanged).
+    pub fn answers_span(&mut self, count: u32) -> Result<&'a [u8], FrameError> {
+        let start = self.bytes;
+        let mut skipped = WireDecision::Full { live_keys_max: 0 };
+        for _ in 0..count {
+            self.varint()?;
+            self.u32()?;
+            self.decision_into(&mut skipped)?;
+        }
+        Ok(&start[..start.len() - self.bytes.len()])
+    }
+
     /// Reads `count` answers, `(batch, index, decision)`, appending them to
     /// `into` when `keep` (else reading past them). Each is decoded where
     /// it will stay, not built and then copied (see [`Reader::op_into`]).
@@ -692,7 +715,9 @@ impl Ack {
 mod answers;
 mod varint;
 mod walk;
-pub use answers::{BatchAnswers, BatchAnswersHeader, BatchAnswersWriter, RoundAnswersHeader};
+pub use answers::{
+    BatchAnswers, BatchAnswersHeader, BatchAnswersWriter, RelayAnswersHeader, RoundAnswersHeader,
+};
 pub use varint::put_varint;
 pub use walk::{skim_keys, validate, walk_keys};
 

@@ -83,6 +83,10 @@ pub struct DataStats {
     /// Forwarded hits this node (as leader) answered in the frame carrying
     /// their round (`rounds.rs`, "Answers that ride with the round").
     pub round_answers: AtomicU64,
+    /// Forwarded hits' answers this node (as a follower) sent on to the
+    /// node that forwarded them, for their leader (`rounds.rs`, "Answers a
+    /// follower relays").
+    pub answers_relayed: AtomicU64,
     /// Forwarded hits this node (as leader) answered at once in a section
     /// of their batch's own (peer protocol 2.2, `tag::BATCH_ANSWERS`).
     pub batch_answers: AtomicU64,

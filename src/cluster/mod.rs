@@ -326,6 +326,8 @@ pub struct ClusterSnapshot {
     pub round_answers: u64,
     /// Forwarded hits answered at once in a section of their batch's own.
     pub batch_answers: u64,
+    /// Forwarded hits' answers sent on, as a follower, for their leader.
+    pub answers_relayed: u64,
     /// Hits answered `false` from a remembered denial, not forwarded.
     pub denials_remembered: u64,
     /// Hits admitted from a quota lease, not forwarded.
@@ -509,6 +511,7 @@ impl Cluster {
             peer_version_refusals: auth::version_refusals(),
             round_answers: dp.stats.round_answers.load(Ordering::Relaxed),
             batch_answers: dp.stats.batch_answers.load(Ordering::Relaxed),
+            answers_relayed: dp.stats.answers_relayed.load(Ordering::Relaxed),
             denials_remembered: dp.stats.denials_remembered.load(Ordering::Relaxed),
             lease_hits: dp.stats.lease_hits.load(Ordering::Relaxed),
             leases_granted: dp.stats.leases_granted.load(Ordering::Relaxed),

@@ -15,10 +15,11 @@ use std::sync::OnceLock;
 /// buckets (an op code, a decision code and a counter state of their own)
 /// and hellos that carry the committed rule set's version, which no node of
 /// major 1 can read. 2.1 added [`ROUND_ANSWERS_MINOR`], 2.2
-/// [`BATCH_ANSWERS_MINOR`], 2.3 [`LEASES_MINOR`].
+/// [`BATCH_ANSWERS_MINOR`], 2.3 [`LEASES_MINOR`], 2.4
+/// [`RELAY_ANSWERS_MINOR`].
 pub const PROTOCOL: Protocol = Protocol {
     major: 2,
-    minor: 3,
+    minor: 4,
     oldest_minor: 0,
 };
 
@@ -37,6 +38,14 @@ pub const BATCH_ANSWERS_MINOR: u8 = 2;
 /// lease (an op flag and the lease's size) and be answered with one
 /// (`WireDecision::Leased`): fast mode's leases, `forward/leases.rs`.
 pub const LEASES_MINOR: u8 = 3;
+/// The minor from which a leader hands a follower, with a round's section,
+/// the answers of hits that a node holding no replica of the shard
+/// forwarded (`data_frames::tag::RELAY_ANSWERS`), and the follower, once it
+/// has applied the section, sends them on to that node: strict mode's
+/// answers then take three hops instead of four (forward, round, relayed
+/// answers; not forward, round, ack, answers). Only the follower needs it:
+/// what it sends on is an ordinary `ANSWERS` section.
+pub const RELAY_ANSWERS_MINOR: u8 = 4;
 /// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
 /// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
 /// upgrade", says how tests use it). Not for production: the node's frames

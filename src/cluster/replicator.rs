@@ -9,7 +9,7 @@ use super::data_frames::{begin_counted, end_counted, put_decision, put_varint, t
 use super::dataplane::{replica_in, DataPlane, DataStats};
 use super::forward::SlotBoard;
 use super::outbox::PeerOut;
-use super::peer_protocol::ROUND_ANSWERS_MINOR;
+use super::peer_protocol::{RELAY_ANSWERS_MINOR, ROUND_ANSWERS_MINOR};
 use super::rounds::{Ended, RoundAnswered, SectionEnd, SentSection, Waiter};
 use super::wire::WireDecision;
 use super::NodeId;
@@ -31,6 +31,9 @@ struct RemoteAnswers {
     bytes: Vec<u8>,
     at: usize,
     count: u32,
+    /// Every answer in it was relayed by a follower that holds its section
+    /// (`Ended::relayed`): sent with the link's next write, not waking it.
+    relayed: bool,
 }
 
 /// A round section's peers, each with where the answers it gets with the
@@ -117,10 +120,12 @@ impl DataPlane {
                                 bytes,
                                 at,
                                 count: 0,
+                                relayed: true,
                             });
                             remote.len() - 1
                         });
                         let answers = &mut remote[last_remote];
+                        answers.relayed &= section.relayed;
                         put_varint(&mut answers.bytes, batch);
                         put_varint(&mut answers.bytes, u64::from(index));
                         put_decision(
@@ -144,6 +149,7 @@ impl DataPlane {
             if out
                 .append(|body| body.extend_from_slice(&answers.bytes))
                 .is_some()
+                && !answers.relayed
             {
                 out.wake.notify_one();
             }
@@ -205,6 +211,23 @@ impl DataPlane {
                     with_round.extend(RoundAnswered::take(&mut waiters, peer, out.peer_boot()));
                 }
             }
+            // Hits forwarded by nodes that got no section (they hold no
+            // replica of the shard): their answers go to a follower that,
+            // with this node, is a majority, to send on once it applied it.
+            let relay =
+                if self.strict() && waiters.iter().any(|w| matches!(w, Waiter::Remote { .. })) {
+                    sent_to.iter().copied().find(|&peer| {
+                        config.committed(self.me, &[peer])
+                            && links.iter().any(|(p, out)| {
+                                *p == peer
+                                    && out
+                                        .as_ref()
+                                        .is_some_and(|o| o.speaks_minor(RELAY_ANSWERS_MINOR))
+                            })
+                    })
+                } else {
+                    None
+                };
             records.push(SentSection {
                 shard: section.shard,
                 term: section.term,
@@ -212,6 +235,7 @@ impl DataPlane {
                 sent_to,
                 waiters,
                 with_round,
+                relay,
             });
         }
         // This node's own states are written before any replica can
@@ -246,6 +270,9 @@ impl DataPlane {
                                     r.shard,
                                     answered,
                                 );
+                            }
+                            if r.relay == Some(peer) {
+                                put_relay_answers(&mut round_answers, round, r.shard, &r.waiters);
                             }
                             (peer, at..round_answers.len())
                         })
@@ -307,29 +334,13 @@ impl DataPlane {
         shard: u32,
         answered: &RoundAnswered,
     ) {
-        let at = begin_counted(
+        let count = put_committed_answers(
             out,
             tag::ROUND_ANSWERS,
             &[answered.boot, round, u64::from(shard)],
+            shard,
+            answered.waiters.iter(),
         );
-        let mut count = 0u32;
-        for waiter in &answered.waiters {
-            if let Waiter::Remote {
-                batch,
-                index,
-                decision,
-                lease,
-                ..
-            } = waiter
-            {
-                put_varint(out, *batch);
-                put_varint(out, u64::from(*index));
-                let answer = SectionEnd::Committed.answer_leased(shard, *decision, *lease);
-                put_decision(out, &answer);
-                count += 1;
-            }
-        }
-        end_counted(out, at, count);
         DataStats::add(&self.stats.round_answers, u64::from(count));
     }
 
@@ -392,5 +403,62 @@ impl DataPlane {
                 None => self.replicate.notified().await,
             }
         }
+    }
+}
+
+/// Appends a section of `tag` with the fields `header`, then `waiters`'
+/// answers as committed (`(batch, index, decision)*`, counted); returns
+/// how many.
+fn put_committed_answers<'a>(
+    out: &mut Vec<u8>,
+    tag: u8,
+    header: &[u64],
+    shard: u32,
+    waiters: impl Iterator<Item = &'a Waiter>,
+) -> u32 {
+    let at = begin_counted(out, tag, header);
+    let mut count = 0u32;
+    for waiter in waiters {
+        if let Waiter::Remote {
+            batch,
+            index,
+            decision,
+            lease,
+            ..
+        } = waiter
+        {
+            put_varint(out, *batch);
+            put_varint(out, u64::from(*index));
+            let answer = SectionEnd::Committed.answer_leased(shard, *decision, *lease);
+            put_decision(out, &answer);
+            count += 1;
+        }
+    }
+    end_counted(out, at, count);
+    count
+}
+
+/// Appends a RELAY_ANSWERS section per node (and incarnation) that
+/// forwarded hits among `waiters`, for the follower that gets it to send
+/// on (`rounds.rs`, "Answers a follower relays").
+fn put_relay_answers(out: &mut Vec<u8>, round: u64, shard: u32, waiters: &[Waiter]) {
+    let mut forwarders: SmallVec<[(NodeId, u64); 4]> = SmallVec::new();
+    for waiter in waiters {
+        if let Waiter::Remote { peer, boot, .. } = waiter {
+            if !forwarders.contains(&(*peer, *boot)) {
+                forwarders.push((*peer, *boot));
+            }
+        }
+    }
+    for (to, boot) in forwarders {
+        put_committed_answers(
+            out,
+            tag::RELAY_ANSWERS,
+            &[to, boot, round, u64::from(shard)],
+            shard,
+            waiters.iter().filter(
+                |w| matches!(w, Waiter::Remote { peer, boot: b, .. } if (*peer, *b) == (to, boot)),
+            ),
+        );
     }
 }

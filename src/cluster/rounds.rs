@@ -24,6 +24,17 @@
 //! it went: applied, and they are done; refused (or the link broke, or the
 //! section timed out first), and they are answered the usual way, with
 //! the section's end.
+//!
+//! **Answers a follower relays.** The hits of a node that holds no replica
+//! of the shard (four nodes and more) cannot ride with the round. Their
+//! answers go instead, in the same frame as the section, to one follower
+//! that with the leader makes a majority ([`SentSection::relay`]); once it
+//! has applied the section it sends them on to that node. The leader still
+//! answers those hits itself when the section ends, the fallback should the
+//! follower not have applied it or not reach the node (duplicates are
+//! dropped: a forwarded op takes its first answer). When the follower
+//! holds the section ([`Ended::relayed`]), that fallback goes with the
+//! link's next write instead of waking it.
 
 use super::data_frames::{put_bytes, put_state};
 use super::replica::ShardConfig;
@@ -249,6 +260,11 @@ pub struct Ended {
     pub term: u64,
     pub end: SectionEnd,
     pub waiters: Vec<Waiter>,
+    /// Committed, and held by the follower that relays the answers of its
+    /// forwarded hits (see [`SentSection::relay`]): the leader's own
+    /// answers to those nodes are a fallback, sent with the link's next
+    /// write rather than waking it.
+    pub relayed: bool,
 }
 
 struct SectionRecord {
@@ -262,6 +278,8 @@ struct SectionRecord {
     waiters: Vec<Waiter>,
     /// Waiters answered with the round, until their replica's verdict.
     with_round: SmallVec<[RoundAnswered; 2]>,
+    /// The follower relaying the answers of its forwarded hits.
+    relay: Option<NodeId>,
     /// How the section ended, once it did.
     ended_as: Option<SectionEnd>,
 }
@@ -296,6 +314,11 @@ pub struct SentSection {
     /// Waiters answered in the frames that carry the section (see the
     /// module doc); each peer is one of `sent_to`.
     pub with_round: SmallVec<[RoundAnswered; 2]>,
+    /// The follower (one of `sent_to`, with this node a majority) that got
+    /// the answers of the hits in `waiters` forwarded by nodes holding no
+    /// replica of the shard, to send them on once it has applied the
+    /// section (see the module doc).
+    pub relay: Option<NodeId>,
 }
 
 /// Rounds sent and not yet ended, oldest first. Round numbers are
@@ -349,6 +372,7 @@ impl InFlight {
                     fenced_by: 0,
                     waiters: s.waiters,
                     with_round: s.with_round,
+                    relay: s.relay,
                     ended_as: None,
                 })
                 .collect(),
@@ -392,11 +416,16 @@ impl InFlight {
 
     fn end(section: &mut SectionRecord, end: SectionEnd, ended: &mut Vec<Ended>) {
         section.ended_as = Some(end.clone());
+        let relayed = end == SectionEnd::Committed
+            && section
+                .relay
+                .is_some_and(|relay| section.holders.contains(&relay));
         ended.push(Ended {
             shard: section.shard,
             term: section.term,
             end,
             waiters: std::mem::take(&mut section.waiters),
+            relayed,
         });
     }
 
@@ -418,6 +447,7 @@ impl InFlight {
                 term: section.term,
                 end: end.clone(),
                 waiters: answered.waiters,
+                relayed: false,
             }),
             None => section.waiters.extend(answered.waiters),
         }

@@ -318,6 +318,12 @@ cluster_family!(
     "Forwarded hits this node, as their shard's leader, answered in the frame carrying their round to the replica that forwarded them (strict mode; that replica answers once it applied the round)."
 );
 cluster_family!(
+    CLUSTER_ANSWERS_RELAYED,
+    "tollgate_cluster_relayed_answers_total",
+    MetricType::COUNTER,
+    "Answers to forwarded hits this node, as a follower, sent on for their shard's leader to the node that forwarded them (strict mode, a node that holds no replica of the shard; peer protocol 2.4), once it applied their round."
+);
+cluster_family!(
     CLUSTER_BATCH_ANSWERS,
     "tollgate_cluster_batch_answers_total",
     MetricType::COUNTER,
@@ -590,6 +596,10 @@ impl Collector for ServerCollector {
             out.push(plain_counter(
                 &CLUSTER_BATCH_ANSWERS,
                 snapshot.batch_answers,
+            ));
+            out.push(plain_counter(
+                &CLUSTER_ANSWERS_RELAYED,
+                snapshot.answers_relayed,
             ));
             out.push(plain_counter(
                 &CLUSTER_DENIALS_REMEMBERED,

@@ -5,14 +5,16 @@
 //! minor added (a forwarded batch's answers in a section of its own, 2.2)
 //! is sent only once both ends speak it, while what 2.1 added (answers
 //! that ride with their round) goes on throughout; fast mode's quota leases
-//! (2.3) are asked of and granted to peers that talk 2.3 only; a node of
+//! (2.3) are asked of and granted to peers that talk 2.3 only; strict
+//! answers relayed by a follower to a node holding no replica of the shard
+//! (2.4) go only through followers that talk 2.4; a node of
 //! another major is refused on both sides: it exits naming both versions,
 //! the nodes it dialed log the refusal and count it (and their data dirs
 //! count no write error).
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
-use tollgate::cluster::auth::{BATCH_ANSWERS_MINOR, PROTOCOL};
+use tollgate::cluster::auth::{BATCH_ANSWERS_MINOR, LEASES_MINOR, PROTOCOL, RELAY_ANSWERS_MINOR};
 
 const ENV: &str = "TOLLGATE_TEST_PEER_PROTOCOL";
 
@@ -196,7 +198,7 @@ fn a_rolling_upgrade_to_the_next_minor_keeps_serving_and_another_major_is_refuse
 #[test]
 fn quota_leases_pass_only_between_nodes_that_talk_their_minor() {
     let mut cluster = TestCluster::start_observed(3, 8, &["--consistency", "fast"], false);
-    let before_leases = format!("{}.{}", PROTOCOL.major, PROTOCOL.minor - 1);
+    let before_leases = format!("{}.{}", PROTOCOL.major, LEASES_MINOR - 1);
     cluster.stop(3, Duration::from_secs(10));
     advertise(&mut cluster, 3, &before_leases);
     cluster.spawn(3, None);
@@ -231,4 +233,70 @@ fn quota_leases_pass_only_between_nodes_that_talk_their_minor() {
     }
     assert_eq!(counter(3, "tollgate_cluster_lease_hits_total"), 0.0);
     assert_eq!(counter(3, "tollgate_cluster_leases_granted_total"), 0.0);
+}
+
+/// Answers node `id` relayed, as a follower, to nodes that forwarded hits.
+fn relayed_by(cluster: &TestCluster, id: u64) -> f64 {
+    metric(
+        cluster.metrics_addr(id),
+        "tollgate_cluster_relayed_answers_total",
+    )
+    .unwrap_or_else(|| panic!("node {id} has no relayed answers series"))
+}
+
+/// Through every node of four, two pipelined hits of each of 24 fresh
+/// actors (spread over every shard: some led there, some forwarded by a
+/// replica, some by the one node of the four holding no replica of their
+/// shard): each answered in request order, counting down.
+fn hit_fresh_actors_pipelined(cluster: &TestCluster, round: &str) {
+    for via in 1..=4 {
+        let users: Vec<String> = (0..24).map(|a| format!("{round}-{via}-{a}")).collect();
+        let lines: Vec<String> = users
+            .iter()
+            .flat_map(|u| {
+                [
+                    format!("HIT path=/chaos user={u}"),
+                    format!("HIT path=/chaos user={u}"),
+                ]
+            })
+            .collect();
+        let answers = converse(cluster.client(via), &lines);
+        assert_eq!(answers.len(), lines.len(), "node {via}: {answers:?}");
+        for (i, answer) in answers.iter().enumerate() {
+            let expected = if i % 2 == 0 { 999 } else { 998 };
+            assert_eq!(
+                parse_ok(answer).map(|(_, credit, _)| credit),
+                Some(expected),
+                "node {via}, {}: {answer}",
+                lines[i]
+            );
+        }
+    }
+}
+
+/// Strict mode on four nodes (three replicas a shard): the hits a node
+/// holding no replica of their shard forwards are answered by a follower
+/// that relays the leader's answers; a node advertising 2.3, the minor
+/// before relayed answers, is never asked to relay, and every answer
+/// through every node stays right and in order.
+#[test]
+fn relayed_answers_pass_only_through_followers_that_talk_their_minor() {
+    let mut cluster = TestCluster::start_observed(4, 8, &[], false);
+    hit_fresh_actors_pipelined(&cluster, "own");
+    let relayed: f64 = (1..=4).map(|id| relayed_by(&cluster, id)).sum();
+    assert!(relayed > 0.0, "no answer relayed");
+
+    let before_relays = format!("{}.{}", PROTOCOL.major, RELAY_ANSWERS_MINOR - 1);
+    cluster.stop(2, Duration::from_secs(10));
+    advertise(&mut cluster, 2, &before_relays);
+    cluster.spawn(2, None);
+    cluster.wait_healthy(Duration::from_secs(30));
+    let others_before: f64 = [1, 3, 4].iter().map(|&id| relayed_by(&cluster, id)).sum();
+    hit_fresh_actors_pipelined(&cluster, "mixed");
+    assert_eq!(relayed_by(&cluster, 2), 0.0, "node 2 talks {before_relays}");
+    let others_after: f64 = [1, 3, 4].iter().map(|&id| relayed_by(&cluster, id)).sum();
+    assert!(
+        others_after > others_before,
+        "the other followers relay on: {others_before} then {others_after}"
+    );
 }

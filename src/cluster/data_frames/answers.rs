@@ -1,11 +1,13 @@
 //! The sections that answer forwarded hits, as written and read: a
 //! forwarded batch's answers given at once (`BATCH_ANSWERS`, peer protocol
 //! 2.2), and the header of the answers that ride with their round
-//! (`ROUND_ANSWERS`, 2.1). The older `ANSWERS` section is read by
-//! [`Reader::answers_into`].
+//! (`ROUND_ANSWERS`, 2.1), and of those a follower relays to the node that
+//! forwarded the hits (`RELAY_ANSWERS`, 2.4). The older `ANSWERS` section
+//! is read by [`Reader::answers_into`].
 
 use super::{begin_counted_fields, end_counted, put_decision, put_varint, tag, FrameError, Reader};
 use super::{WireDecision, COUNT_ROOM_BYTES};
+use crate::cluster::NodeId;
 
 /// A batch-answers section as it is written ([`tag::BATCH_ANSWERS`]): begun
 /// at the batch's first answer, one entry per answer, ended once the batch
@@ -161,6 +163,22 @@ impl RoundAnswersHeader {
             shard: reader.u32()?,
             // A batch, an index and a decision: 3 bytes at least.
             count: reader.count(3)?,
+        })
+    }
+}
+
+/// A relay-answers section's header, as read: the node the answers are
+/// for, then a round-answers header.
+pub struct RelayAnswersHeader {
+    pub to: NodeId,
+    pub answers: RoundAnswersHeader,
+}
+
+impl RelayAnswersHeader {
+    pub fn read(reader: &mut Reader<'_>) -> Result<RelayAnswersHeader, FrameError> {
+        Ok(RelayAnswersHeader {
+            to: reader.varint()?,
+            answers: RoundAnswersHeader::read(reader)?,
         })
     }
 }

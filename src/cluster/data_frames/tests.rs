@@ -452,6 +452,11 @@ fn frame_of_every_kind() -> Vec<u8> {
     put_varint(&mut out, 0);
     put_decision(&mut out, &decisions[1]);
     end_counted(&mut out, at, 1);
+    let at = begin_counted(&mut out, tag::RELAY_ANSWERS, &[5, 6, 4, 2]);
+    put_varint(&mut out, 13);
+    put_varint(&mut out, 1);
+    put_decision(&mut out, &decisions[0]);
+    end_counted(&mut out, at, 1);
     let mut batch = BatchAnswersWriter::begin(&mut out, 3, u64::MAX);
     for (index, decision) in decisions.iter().enumerate() {
         batch.put(&mut out, 2 * index as u32, decision);
@@ -478,7 +483,7 @@ fn keys_of(walk: impl FnOnce(&mut dyn FnMut(&[u8]) -> bool)) -> Vec<Vec<u8>> {
 #[test]
 fn skimming_a_frame_finds_the_keys_the_full_walk_finds() {
     let frame = frame_of_every_kind();
-    assert_eq!(validate(&frame), Ok(8));
+    assert_eq!(validate(&frame), Ok(9));
     let walked = keys_of(|visit| {
         walk_keys(&frame, visit).unwrap();
     });
@@ -679,4 +684,61 @@ fn the_fuzz_seed_of_a_batchs_answers_is_a_valid_frame() {
     // then a BATCH_ANSWERS section answering both.
     let seed = include_bytes!("../../../fuzz/corpus/peer_frames/batch_answers");
     assert_eq!(validate(seed), Ok(2));
+}
+
+#[test]
+fn relayed_answers_are_sent_on_as_the_leader_wrote_them() {
+    let decisions = [
+        WireDecision::from(crate::limiter::Decision {
+            allowed: true,
+            credit: 41,
+            next_reset_seconds: 60,
+        }),
+        WireDecision::Unavailable {
+            shard: 7,
+            why: ShardRefusal::CommitTimeout(2000),
+        },
+    ];
+    let mut out = Vec::new();
+    let at = begin_counted(&mut out, tag::RELAY_ANSWERS, &[4, 77, 12, 7]);
+    for (index, decision) in decisions.iter().enumerate() {
+        put_varint(&mut out, 300);
+        put_varint(&mut out, index as u64);
+        put_decision(&mut out, decision);
+    }
+    end_counted(&mut out, at, decisions.len() as u32);
+    assert_eq!(validate(&out), Ok(1));
+    let mut reader = Reader::new(&out);
+    assert_eq!(reader.u8().unwrap(), tag::RELAY_ANSWERS);
+    let header = RelayAnswersHeader::read(&mut reader).unwrap();
+    assert_eq!(
+        (header.to, header.answers.boot, header.answers.round),
+        (4, 77, 12)
+    );
+    assert_eq!((header.answers.shard, header.answers.count), (7, 2));
+    let entries = reader.answers_span(header.answers.count).unwrap();
+    assert!(reader.is_empty());
+    // Sent on as an ANSWERS section for incarnation 77: the same answers.
+    let mut sent_on = Vec::new();
+    let at = begin_counted(&mut sent_on, tag::ANSWERS, &[77]);
+    sent_on.extend_from_slice(entries);
+    end_counted(&mut sent_on, at, header.answers.count);
+    let mut reader = Reader::new(&sent_on);
+    assert_eq!(reader.u8().unwrap(), tag::ANSWERS);
+    assert_eq!(reader.varint().unwrap(), 77);
+    let count = reader.count(3).unwrap();
+    let mut answers = Vec::new();
+    reader.answers_into(count, true, &mut answers).unwrap();
+    assert_eq!(
+        answers,
+        vec![
+            (300, 0, decisions[0].clone()),
+            (300, 1, decisions[1].clone())
+        ]
+    );
+    // Cut short, the span is an error, not a panic.
+    for cut in 0..entries.len() {
+        let mut reader = Reader::new(&entries[..cut]);
+        assert!(reader.answers_span(2).is_err(), "cut at {cut}");
+    }
 }

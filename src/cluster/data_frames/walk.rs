@@ -5,8 +5,8 @@
 //! the same counter keys in the same order.
 
 use super::{
-    tag, Ack, BatchAnswers, BatchAnswersHeader, FrameError, Reader, RoundAnswersHeader,
-    RoundHeader, BUCKET_OP_CODE, LEASE_FLAG,
+    tag, Ack, BatchAnswers, BatchAnswersHeader, FrameError, Reader, RelayAnswersHeader,
+    RoundAnswersHeader, RoundHeader, BUCKET_OP_CODE, LEASE_FLAG,
 };
 use crate::limiter::droplet_bucket::PERIOD_COUNT;
 
@@ -52,6 +52,10 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
                     reader.u32()?;
                     reader.decision()?;
                 }
+            }
+            tag::RELAY_ANSWERS => {
+                let header = RelayAnswersHeader::read(&mut reader)?;
+                reader.answers_span(header.answers.count)?;
             }
             tag::ROUND => {
                 let header = RoundHeader::read(&mut reader)?;
@@ -113,6 +117,8 @@ impl<'a> Skim<'a> {
                 // shard), then the answers.
                 tag::ANSWERS => self.answers(1)?,
                 tag::ROUND_ANSWERS => self.answers(3)?,
+                // The node they are for, then as a round-answers section.
+                tag::RELAY_ANSWERS => self.answers(4)?,
                 // Boot (eight bytes) and batch, then the entries as one
                 // byte string.
                 tag::BATCH_ANSWERS => {

@@ -9,7 +9,8 @@
 use super::{replica_in, DataPlane, DataStats, DecidedState, ReplicaTable};
 use crate::cluster::data_frames::{
     begin_counted, end_counted, put_decision, put_varint, skim_keys, tag, Ack, BatchAnswersHeader,
-    BatchAnswersWriter, FrameError, OpView, Reader, RoundAnswersHeader, RoundHeader,
+    BatchAnswersWriter, FrameError, OpView, Reader, RelayAnswersHeader, RoundAnswersHeader,
+    RoundHeader,
 };
 use crate::cluster::outbox::PeerOut;
 use crate::cluster::peer_protocol::BATCH_ANSWERS_MINOR;
@@ -79,6 +80,18 @@ impl FrameScratch {
     }
 }
 
+/// Answers a leader handed this node with a round section it applied, to
+/// send on to the node that forwarded their hits (`rounds.rs`, "Answers a
+/// follower relays"): that node, its incarnation, and the answers'
+/// count and bytes, as the leader wrote them.
+#[derive(Clone, Copy)]
+struct Relay<'a> {
+    to: NodeId,
+    boot: u64,
+    count: u32,
+    entries: &'a [u8],
+}
+
 /// Most bytes a thread keeps in its [`FrameScratch`] between frames.
 const FRAME_SCRATCH_KEPT_BYTES_MAX: usize = 1 << 20;
 
@@ -132,6 +145,9 @@ impl DataPlane {
         // round, and the sections refused (one ack for the frame).
         let mut acked_upto: Option<u64> = None;
         let mut refused: SmallVec<[(u64, u32, ApplyRefusal); 2]> = SmallVec::new();
+        // Answers to relay, once what this frame applied is written: the
+        // node they are for, its incarnation, their count and bytes.
+        let mut relays: SmallVec<[Relay<'_>; 2]> = SmallVec::new();
         let now_ms = self.clock.now_ms();
         let replicas = self.replicas();
         let result = (|| -> Result<(), FrameError> {
@@ -206,6 +222,22 @@ impl DataPlane {
                         let holds = header.boot == self.boot
                             && applied_before == Some((header.round, header.shard));
                         reader.answers_into(header.count, holds, answered_with_rounds)?;
+                        // Answers to relay may follow for the same section.
+                        applied = applied_before;
+                    }
+                    tag::RELAY_ANSWERS => {
+                        let RelayAnswersHeader { to, answers } =
+                            RelayAnswersHeader::read(&mut reader)?;
+                        let entries = reader.answers_span(answers.count)?;
+                        if applied_before == Some((answers.round, answers.shard)) && to != self.me {
+                            relays.push(Relay {
+                                to,
+                                boot: answers.boot,
+                                count: answers.count,
+                                entries,
+                            });
+                        }
+                        applied = applied_before;
                     }
                     tag::ACK => {
                         let ack = Ack::read(&mut reader)?;
@@ -227,6 +259,7 @@ impl DataPlane {
             disk.write_pending();
         }
         self.take_answers(answered_with_rounds);
+        self.relay_answers(&relays);
         if let Some(upto) = acked_upto {
             out.record_ack(from_boot, upto, &refused);
             out.wake.notify_one();
@@ -256,6 +289,37 @@ impl DataPlane {
         scratch.clear();
         FRAME_SCRATCH.with_borrow_mut(|kept| *kept = scratch);
         result
+    }
+
+    /// Sends on the answers a leader relayed through this node (`rounds.rs`,
+    /// "Answers a follower relays"), each as an `ANSWERS` section to the
+    /// node that forwarded the hits, if its link is up (else that node gets
+    /// the leader's own answers).
+    fn relay_answers(&self, relays: &[Relay<'_>]) {
+        let mut woken: SmallVec<[NodeId; 4]> = SmallVec::new();
+        for &Relay {
+            to,
+            boot,
+            count,
+            entries,
+        } in relays
+        {
+            let Some(out) = self.existing_out(to).filter(|out| out.connected()) else {
+                continue;
+            };
+            let appended = out.append(|body| {
+                let at = begin_counted(body, tag::ANSWERS, &[boot]);
+                body.extend_from_slice(entries);
+                end_counted(body, at, count);
+            });
+            if appended.is_some() {
+                DataStats::add(&self.stats.answers_relayed, u64::from(count));
+                if !woken.contains(&to) {
+                    woken.push(to);
+                    out.wake.notify_one();
+                }
+            }
+        }
     }
 
     /// Fills the boards of forwarded batches with their answers, `(batch,

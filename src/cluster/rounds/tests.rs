@@ -32,6 +32,7 @@ fn section(shard: u32, voters: &[NodeId], sent_to: &[NodeId]) -> SentSection {
             lease: 0,
         }],
         with_round: SmallVec::new(),
+        relay: None,
     }
 }
 
@@ -369,4 +370,62 @@ fn the_builder_groups_states_by_shard_and_term() {
     builder.recycle(sections);
     builder.push(1, 5, b"e", &state, None, now);
     assert_eq!(builder.take()[0].count, 1);
+}
+
+/// A section of shard 0 (voters 1, 2, 3) sent to 2 and 3 at `sent_at`,
+/// with a hit of node 9 (no replica) whose answers node 2 relays.
+fn relayed_by_2(sent_at: Instant) -> (InFlight, Vec<Ended>) {
+    let mut flight = InFlight::new(1);
+    let mut ended = Vec::new();
+    let sent = SentSection {
+        relay: Some(2),
+        ..section(0, &[1, 2, 3], &[2, 3])
+    };
+    flight.record(sent_at, vec![sent], &mut ended);
+    assert!(ended.is_empty());
+    (flight, ended)
+}
+
+#[test]
+fn a_section_ends_relayed_only_when_committed_with_its_relaying_follower() {
+    // Committed by the relaying follower's ack: it applied the section and
+    // sent the answers on, so the leader's own may wait for a write.
+    let (mut flight, mut ended) = relayed_by_2(Instant::now());
+    flight.ack(2, 1, &[], &mut ended);
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].end, SectionEnd::Committed);
+    assert!(ended[0].relayed);
+    assert_eq!(ended[0].waiters.len(), 1, "the leader still answers them");
+
+    // Committed by the other follower's: node 2 may never have applied it.
+    let (mut flight, mut ended) = relayed_by_2(Instant::now());
+    flight.ack(3, 1, &[], &mut ended);
+    assert_eq!(ended[0].end, SectionEnd::Committed);
+    assert!(!ended[0].relayed);
+
+    // The relaying follower refused it: committed by node 3, not relayed.
+    let (mut flight, mut ended) = relayed_by_2(Instant::now());
+    flight.ack(
+        2,
+        1,
+        &[(1, 0, ApplyRefusal::Fenced { term: 4 })],
+        &mut ended,
+    );
+    flight.ack(3, 1, &[], &mut ended);
+    assert_eq!(
+        take_ends(&mut ended),
+        vec![(0, SectionEnd::Committed, vec![9])]
+    );
+
+    // Timed out: never relayed.
+    let start = Instant::now();
+    let (mut flight, mut ended) = relayed_by_2(start);
+    flight.expire(
+        start + Duration::from_millis(150),
+        Duration::from_millis(100),
+        &mut ended,
+    );
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].end, SectionEnd::TimedOut(100));
+    assert!(!ended[0].relayed);
 }
