@@ -4,7 +4,9 @@
 //! shards is cut off under load (strict mode): it answers its hits with a
 //! prompt `ERR` and never a `true`, the majority elects new leaders and
 //! keeps serving, and after healing the cluster converges with no counter
-//! going backwards and no limit exceeded.
+//! going backwards and no limit exceeded. On four nodes, answers a
+//! follower relays into a blackholed link are answered by the leader's
+//! fallback.
 
 use crate::cluster_support::proxy::{Mode, Proxy};
 use crate::cluster_support::*;
@@ -420,4 +422,107 @@ fn isolated_leader_under_load(fault: Fault) {
         majority_after.len(),
         log.len()
     );
+}
+
+/// Pipelined through node `via`, two hits of each of `users` (of the
+/// `[path=/chaos]` rule, 1000 an hour, fresh): each answered in request
+/// order, counting down, none an error.
+fn hit_twice_each(cluster: &TestCluster, via: u64, users: &[String]) {
+    let lines: Vec<String> = users
+        .iter()
+        .flat_map(|u| [0, 1].map(|_| format!("HIT path=/chaos user={u}")))
+        .collect();
+    let answers = converse(cluster.client(via), &lines);
+    assert_eq!(answers.len(), lines.len(), "node {via}: {answers:?}");
+    for (i, answer) in answers.iter().enumerate() {
+        assert_eq!(
+            parse_ok(answer).map(|(_, credit, _)| credit),
+            Some(if i % 2 == 0 { 999 } else { 998 }),
+            "node {via}, {}: {answer}",
+            lines[i]
+        );
+    }
+}
+
+/// Strict mode on four nodes: the node holding no replica of a shard gets
+/// its forwarded hits' answers from a follower the leader relays them
+/// through (peer protocol 2.4). With both followers' links to that node
+/// blackholed (open, every byte dropped), what they relay is lost, and the
+/// leader's own answers, its fallback, still answer every hit right and in
+/// order, whichever follower's ack committed their round.
+#[test]
+fn answers_relayed_into_a_blackhole_are_answered_by_the_leader() {
+    const SHARDS: u32 = 8;
+    let cluster = TestCluster::start_observed(4, SHARDS, &[], true);
+    let topology = cluster.wait_healthy(Duration::from_secs(30));
+    let shard = topology
+        .placement
+        .iter()
+        .find(|s| s.replicas.len() == 3 && s.leader.is_some())
+        .expect("a led shard of three replicas");
+    let leader = shard.leader.unwrap();
+    let followers: Vec<u64> = shard
+        .replicas
+        .iter()
+        .copied()
+        .filter(|&n| n != leader)
+        .collect();
+    let outsider = (1..=4).find(|n| !shard.replicas.contains(n)).unwrap();
+    let users_of_shard = |prefix: &str| -> Vec<String> {
+        (0..)
+            .map(|i| format!("{prefix}-{i}"))
+            .filter(|u| shard_of_user(SHARDS, "path=/chaos", 1000, 3600, u) == shard.shard)
+            .take(12)
+            .collect()
+    };
+    let relayed = || -> f64 {
+        followers
+            .iter()
+            .map(|&f| {
+                metric(
+                    cluster.metrics_addr(f),
+                    "tollgate_cluster_relayed_answers_total",
+                )
+                .unwrap_or_else(|| panic!("node {f} has no relayed answers series"))
+            })
+            .sum()
+    };
+    // Linked up: the followers relay the outsider's answers.
+    let before = relayed();
+    hit_twice_each(&cluster, outsider, &users_of_shard("linked"));
+    assert!(
+        relayed() > before,
+        "shard {}: nothing relayed to node {outsider}",
+        shard.shard
+    );
+    // Both followers' links to the outsider swallow what they send.
+    for &follower in &followers {
+        cluster.link(follower, outsider).blackhole();
+    }
+    // Each follower in turn gets its rounds late (300 ms), so that the
+    // other one's ack commits them: whichever of the two relays, in one of
+    // the turns its own ack commits the section, and the leader then sends
+    // its fallback with its next write rather than at once.
+    for (turn, &late) in followers.iter().enumerate() {
+        cluster.link(leader, late).set_delay(300);
+        let before = relayed();
+        hit_twice_each(
+            &cluster,
+            outsider,
+            &users_of_shard(&format!("blackholed-{turn}")),
+        );
+        // The late follower may relay after the hits were answered.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while relayed() <= before && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            relayed() > before,
+            "turn {turn}: the followers relayed into the blackhole"
+        );
+        cluster.link(leader, late).set_delay(0);
+    }
+    for &follower in &followers {
+        cluster.link(follower, outsider).heal();
+    }
 }
