@@ -188,6 +188,7 @@ impl DataPlane {
             let mut waiters = std::mem::take(&mut section.waiters);
             let mut sent_to: SmallVec<[NodeId; 4]> = SmallVec::new();
             let mut with_round: SmallVec<[RoundAnswered; 2]> = SmallVec::new();
+            let mut relay: Option<NodeId> = None;
             for &peer in &config.targets {
                 let at = match links.iter().position(|(p, _)| *p == peer) {
                     Some(at) => at,
@@ -201,33 +202,25 @@ impl DataPlane {
                     continue;
                 };
                 sent_to.push(peer);
+                if !self.strict() || !config.committed(self.me, &[peer]) {
+                    continue;
+                }
                 // This node and `peer` holding the states commit them: the
-                // hits `peer` forwarded are answered with the round.
-                if !waiters.is_empty()
-                    && self.strict()
-                    && out.speaks_minor(ROUND_ANSWERS_MINOR)
-                    && config.committed(self.me, &[peer])
-                {
+                // hits `peer` forwarded are answered with the round, and
+                // `peer` may relay the answers of nodes that get no section.
+                if !waiters.is_empty() && out.speaks_minor(ROUND_ANSWERS_MINOR) {
                     with_round.extend(RoundAnswered::take(&mut waiters, peer, out.peer_boot()));
                 }
+                if relay.is_none() && out.speaks_minor(RELAY_ANSWERS_MINOR) {
+                    relay = Some(peer);
+                }
             }
-            // Hits forwarded by nodes that got no section (they hold no
-            // replica of the shard): their answers go to a follower that,
-            // with this node, is a majority, to send on once it applied it.
-            let relay =
-                if self.strict() && waiters.iter().any(|w| matches!(w, Waiter::Remote { .. })) {
-                    sent_to.iter().copied().find(|&peer| {
-                        config.committed(self.me, &[peer])
-                            && links.iter().any(|(p, out)| {
-                                *p == peer
-                                    && out
-                                        .as_ref()
-                                        .is_some_and(|o| o.speaks_minor(RELAY_ANSWERS_MINOR))
-                            })
-                    })
-                } else {
-                    None
-                };
+            // Hits still waiting were forwarded by nodes that got no section
+            // (they hold no replica of the shard): their answers go to the
+            // relaying follower, to send on once it applied the section.
+            if !waiters.iter().any(|w| matches!(w, Waiter::Remote { .. })) {
+                relay = None;
+            }
             records.push(SentSection {
                 shard: section.shard,
                 term: section.term,
