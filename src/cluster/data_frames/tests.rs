@@ -707,6 +707,11 @@ fn relayed_answers_are_sent_on_as_the_leader_wrote_them() {
         put_decision(&mut out, decision);
     }
     end_counted(&mut out, at, decisions.len() as u32);
+    // The fuzz seed fuzz/corpus/peer_frames/relay_answers is this section:
+    // the fuzzer starts from a valid one, and a change of its encoding is
+    // noticed here.
+    let seed = include_bytes!("../../../fuzz/corpus/peer_frames/relay_answers");
+    assert_eq!(out, seed);
     assert_eq!(validate(&out), Ok(1));
     let mut reader = Reader::new(&out);
     assert_eq!(reader.u8().unwrap(), tag::RELAY_ANSWERS);
