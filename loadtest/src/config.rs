@@ -179,11 +179,12 @@ pub struct Args {
     #[arg(long)]
     pub rate: Option<f64>,
 
-    /// Open loop: wake to send at most once per this many microseconds, sending every request due
-    /// by then (0: wake for each request at its due time). Latency is still measured from each
-    /// request's due time, so the lateness this adds (up to the interval) is counted, not hidden; in
-    /// exchange the generator makes one timer wake-up per interval instead of one per request, which
-    /// on a small machine leaves the cores to the servers being measured.
+    /// Open loop: send at most once per this many microseconds, at the end of each interval, every
+    /// request due by then in one write per connection, as a pipelining client sends what it has
+    /// (0: each request at its due time). Latency is still measured from each request's due time,
+    /// so the lateness this adds (up to the interval) is counted, not hidden; in exchange the
+    /// generator makes one timer wake-up and one write per connection per interval instead of one
+    /// per request, which on a small machine leaves the cores to the servers being measured.
     #[arg(long, default_value_t = 0)]
     pub pace_us: u64,
 

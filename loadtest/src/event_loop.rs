@@ -922,6 +922,9 @@ struct ThreadLoop<'a> {
     timer_armed_for: u64,
     /// Open loop: which request is due next.
     schedule: Option<Schedule>,
+    /// Open loop: the connections handed requests at this wake-up, each filled once after all
+    /// are handed out, so that a connection's requests due by then go out in one write.
+    handed: Vec<usize>,
     /// Answers and errors already added to the run's shared progress counters.
     published: (u64, u64),
 }
@@ -963,6 +966,7 @@ impl<'a> ThreadLoop<'a> {
             timer,
             timer_armed_for: 0,
             schedule: None,
+            handed: Vec::new(),
             published: (0, 0),
         })
     }
@@ -1104,16 +1108,28 @@ impl<'a> ThreadLoop<'a> {
             return u64::MAX;
         };
         let connections = self.conns.len();
+        // Paced, only what was due by the start of the current interval (the loop also wakes for
+        // answers, and sending at each of those wake-ups would send a request or two at a time);
+        // after the end, everything due before it.
+        let pace = self.ctx.shared.plan.pace_ns;
+        let cutoff = if pace > 0 && now < self.ctx.meas_end_ns {
+            now / pace * pace
+        } else {
+            now
+        };
+        let mut next_due = u64::MAX;
         while self.ctx.sending && self.ctx.budget_left > 0 {
             let due = s.due(&self.conns);
             if due >= self.ctx.meas_end_ns {
                 self.ctx.sending = false;
                 break;
             }
-            if due > now {
-                return due;
+            if due > cutoff {
+                next_due = due;
+                break;
             }
-            let c = &mut self.conns[s.cursor];
+            let index = s.cursor;
+            let c = &mut self.conns[index];
             s.advance(connections);
             if c.budget == 0 {
                 continue;
@@ -1121,9 +1137,17 @@ impl<'a> ThreadLoop<'a> {
             c.budget -= 1;
             self.ctx.budget_left -= 1;
             c.queued.push_back(due);
-            c.fill(&mut self.ctx, self.poll.registry(), now);
+            self.handed.push(index);
         }
-        u64::MAX
+        // Written after all are handed out: with `--pace-us`, every request due in the interval
+        // leaves in one write per connection, as a pipelining client sends what it has at once.
+        self.handed.sort_unstable();
+        self.handed.dedup();
+        for &index in &self.handed {
+            self.conns[index].fill(&mut self.ctx, self.poll.registry(), now);
+        }
+        self.handed.clear();
+        next_due
     }
 
     /// Reopens connections whose backoff expired. Returns when the loop must look again: `wake`,

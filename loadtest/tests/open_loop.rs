@@ -88,6 +88,30 @@ fn warmup_is_sent_but_not_recorded_and_threads_share_the_rate() {
 }
 
 #[test]
+fn a_paced_open_loop_sends_each_intervals_requests_in_one_write() {
+    let srv = divvy_server(DivvyBehaviour {
+        limit: 1_000_000,
+        ..DivvyBehaviour::default()
+    });
+    // A request due every 50 us over four connections, sent in 20 ms paces: 100 per connection
+    // per pace, in one write (25 paces x 4 connections = 100 writes). Written one at a time they
+    // arrived in about 3 200 reads; sent whenever an answer woke the loop, in about 400.
+    let a = args(&format!(
+        "--target {} --rate 20000 --pace-us 20000 --duration 0.5 --connections 4 --pipeline 256 --actors 100",
+        srv.target()
+    ));
+    let r = tollgate_loadtest::run(&a).unwrap();
+    assert!((9_900..=10_000).contains(&r.requests), "{r:?}");
+    assert_eq!(r.unanswered, 0, "{r:?}");
+    let reads = srv.tally.get(&srv.tally.reads);
+    assert!(
+        reads <= r.requests / 50,
+        "{reads} reads for {} requests",
+        r.requests
+    );
+}
+
+#[test]
 fn a_paced_open_loop_keeps_its_rate_and_counts_the_lateness() {
     let srv = divvy_server(DivvyBehaviour::default());
     // Requests due every 0.5 ms, sent in 20 ms paces: each waits for the end of its pace, and

@@ -42,6 +42,8 @@ pub struct Tally {
     pub denied: AtomicU64,
     pub errors: AtomicU64,
     pub lines: AtomicU64,
+    /// Reads from the divvy connections that returned bytes (how many pieces the lines came in).
+    pub reads: AtomicU64,
     pub connections: AtomicU64,
     /// Hits per actor.
     pub per_actor: Mutex<HashMap<String, u32>>,
@@ -83,9 +85,28 @@ pub fn divvy_server(b: DivvyBehaviour) -> FakeServer {
     FakeServer { addr, tally }
 }
 
+/// A reader that counts its reads that returned bytes into [`Tally::reads`].
+struct CountingReader<'a> {
+    inner: TcpStream,
+    tally: &'a Tally,
+}
+
+impl Read for CountingReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n > 0 {
+            self.tally.reads.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(n)
+    }
+}
+
 fn serve_divvy(stream: TcpStream, t: &Tally, b: &DivvyBehaviour) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
-    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut reader = BufReader::new(CountingReader {
+        inner: stream.try_clone()?,
+        tally: t,
+    });
     let mut out = BufWriter::new(stream);
     let mut line = String::new();
     loop {
