@@ -35,11 +35,8 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
             }
             tag::ANSWERS => {
                 reader.varint()?;
-                for _ in 0..reader.count(3)? {
-                    reader.varint()?;
-                    reader.u32()?;
-                    reader.decision()?;
-                }
+                let count = reader.count(3)?;
+                reader.answers_span(count)?;
             }
             tag::BATCH_ANSWERS => {
                 let header = BatchAnswersHeader::read(&mut reader)?;
@@ -47,11 +44,8 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
                 while answers.next_entry()?.is_some() {}
             }
             tag::ROUND_ANSWERS => {
-                for _ in 0..RoundAnswersHeader::read(&mut reader)?.count {
-                    reader.varint()?;
-                    reader.u32()?;
-                    reader.decision()?;
-                }
+                let header = RoundAnswersHeader::read(&mut reader)?;
+                reader.answers_span(header.count)?;
             }
             tag::RELAY_ANSWERS => {
                 let header = RelayAnswersHeader::read(&mut reader)?;
