@@ -41,7 +41,10 @@
 # 3. Open loop at a third of the strict cluster's maximum from step 1, for
 #    one node and three nodes strict: p99 latency, with OPEN_CONNECTIONS
 #    connections in all (up to 256 requests in flight each: the schedule,
-#    not the pipeline, sets the pace); then again with CONNECTIONS
+#    not the pipeline, sets the pace), from one generator in both cases
+#    (the cluster's connections spread over its nodes), so that the
+#    clients' share of the machine is the same; then three strict nodes
+#    with leader-aware clients (context); then again with CONNECTIONS
 #    connections, each sending every 100 us (context: a read then carries
 #    about one hit, which costs a node several times its closed-loop CPU
 #    per hit, and the machine's cores fill).
@@ -345,10 +348,10 @@ PY
 )
 export RATE
 echo "open loop at $RATE hits/s" >&2
-open_load() { # open_load NAME TARGET CONNECTIONS RATE [PACE_US]
+open_load() { # open_load NAME TARGET CONNECTIONS RATE [PACE_US [LOADTEST FLAGS...]]
   "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline 256 --rate "$4" \
     --pace-us "${5:-$PACE_US}" --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix o \
-    --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" > "$OUT_DIR/$1.txt"
+    --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" "${@:6}" > "$OUT_DIR/$1.txt"
 }
 "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
 single=$!
@@ -360,19 +363,16 @@ per_node=$((OPEN_CONNECTIONS / 3))
 per_node_rate=$((RATE / 3))
 CONSISTENCY=strict "$ROOT/cluster/local.sh" up > /dev/null
 wait_balanced "$TOLLGATE" 3
-for n in 1 2 3; do
-  open_load "open-strict-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$per_node" "$per_node_rate" &
-done
-# How busy the whole machine (servers and generators) is meanwhile.
+all_nodes="127.0.0.1:$BASE_PORT,127.0.0.1:$((BASE_PORT + 1)),127.0.0.1:$((BASE_PORT + 2))"
+open_load open-strict "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" &
+# How busy the whole machine (servers and generator) is meanwhile.
 sleep "$WARMUP"; read -r -a stat_before < /proc/stat
 sleep "$(( ${DURATION%.*} > 2 ? ${DURATION%.*} - 1 : 1 ))"; read -r -a stat_after < /proc/stat
 python3 -c "import sys; a, b = [list(map(int, x.split()[1:])) for x in sys.argv[1:3]]; d = [y - x for x, y in zip(a, b)]; print(f'{100 * (1 - (d[3] + d[4]) / sum(d)):.0f}')" \
   "${stat_before[*]}" "${stat_after[*]}" > "$OUT_DIR/open-busy.percent"
 wait
-for n in 1 2 3; do
-  open_load "open-strict-many-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / 3))" "$per_node_rate" 100 &
-done
-wait
+open_load open-strict-aware "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" "$PACE_US" --leader-aware --rules "$RULES"
+open_load open-strict-many "$all_nodes" "$CONNECTIONS" "$RATE" 100
 
 # Step 4: failover under load, on the same cluster.
 echo "failover, strict, $FAILOVERS rounds" >&2
@@ -500,23 +500,23 @@ print()
 busy = open(path("open-busy.percent")).read().strip()
 open_config = read("open-single")["config"]
 print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {open_config['connections']} connections, "
-      f"generators sending every {open_config['pace_us']} us what is due by then (latency from each request's due time); "
-      f"the whole machine was {busy}% busy during the cluster's run. Then again with {connections} connections sending every 100 us.")
+      f"from one generator sending every {open_config['pace_us']} us what is due by then (latency from each request's due time; "
+      f"the cluster's connections spread over its three nodes); the whole machine was {busy}% busy during the cluster's run. "
+      f"Then three strict nodes with leader-aware clients, and again with {connections} connections sending every 100 us.")
 print()
 print("| setup | hits/s | p50 (us) | p99 (us) | errors |")
 print("|---|---:|---:|---:|---:|")
-def open_rows(suffix, label):
-    single_run = read(f"open-single{suffix}")
-    print(f"| one node{label} | {single_run['throughput_per_sec']:.0f} | {single_run['latency_us']['p50']:.0f} | "
-          f"{single_run['latency_us']['p99']:.0f} | {single_run['errors']} |")
-    nodes_runs = [read(f"open-strict{suffix}-node{n}") for n in (1, 2, 3)]
-    p99 = max(x["latency_us"]["p99"] for x in nodes_runs)
-    print(f"| three nodes, strict{label} | {sum(x['throughput_per_sec'] for x in nodes_runs):.0f} | "
-          f"{min(x['latency_us']['p50'] for x in nodes_runs):.0f}-{max(x['latency_us']['p50'] for x in nodes_runs):.0f} | "
-          f"{min(x['latency_us']['p99'] for x in nodes_runs):.0f}-{p99:.0f} | {sum(x['errors'] for x in nodes_runs)} |")
-    return single_run["latency_us"]["p99"], p99
-single_p99, strict_p99 = open_rows("", "")
-single_many_p99, strict_many_p99 = open_rows("-many", f", {connections} connections every 100 us")
+def open_row(name, label):
+    run = read(name)
+    print(f"| {label} | {run['throughput_per_sec']:.0f} | {run['latency_us']['p50']:.0f} | "
+          f"{run['latency_us']['p99']:.0f} | {run['errors']} |")
+    return run["latency_us"]["p99"]
+single_p99 = open_row("open-single", "one node")
+strict_p99 = open_row("open-strict", "three nodes, strict")
+strict_aware_p99 = open_row("open-strict-aware", "three nodes, strict, leader-aware clients")
+many = f", {connections} connections every 100 us"
+single_many_p99 = open_row("open-single-many", f"one node{many}")
+strict_many_p99 = open_row("open-strict-many", f"three nodes, strict{many}")
 failover_ms = []
 for r in range(1, int(failovers) + 1):
     for word in open(path(f"failover-{r}.txt")).read().split():
@@ -553,6 +553,7 @@ print(f"| (five nodes strict / three, over that floor) | {rows['five']['cpu'] / 
 print(f"| (five nodes fast with as many connections per node as three: CPU per hit / three nodes') | "
       f"{rows['five-fast-scaled']['cpu'] / rows['fast']['cpu']:.2f}x | context |")
 print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms (one node {single_p99 / 1000:.2f} ms) | <= 2 ms |")
+print(f"| (the same, leader-aware clients) | {strict_aware_p99 / 1000:.2f} ms | context |")
 print(f"| (the same, {connections} connections every 100 us) | {strict_many_p99 / 1000:.2f} ms (one node {single_many_p99 / 1000:.2f} ms) | context |")
 if failover_ms:
     ms = sorted(failover_ms)
