@@ -71,7 +71,11 @@
 # IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR,
 # OPEN_CONNECTIONS (15), PACE_US (500: the open-loop generators send once per
 # 500 us, every request due by then in one write per connection, as a
-# pipelining client does; the wait counts in the latencies).
+# pipelining client does; the wait counts in the latencies),
+# HOST_PROBE_SECONDS (5; 0 skips it: before the open loop, a busy loop per
+# CPU on the otherwise idle machine times the gaps over 200 us in its own
+# running, which is the host taking a virtual CPU away; reported as
+# context for the open loop's tail).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -92,6 +96,7 @@ export SHARDS
 BASE_PORT=${BASE_PORT:-28321}
 PACE_US=${PACE_US:-500}
 OPEN_CONNECTIONS=${OPEN_CONNECTIONS:-15}
+HOST_PROBE_SECONDS=${HOST_PROBE_SECONDS:-5}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT
@@ -353,6 +358,34 @@ open_load() { # open_load NAME TARGET CONNECTIONS RATE [PACE_US [LOADTEST FLAGS.
     --pace-us "${5:-$PACE_US}" --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix o \
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" "${@:6}" > "$OUT_DIR/$1.txt"
 }
+# Host stalls: one busy loop per CPU, each pinned, noting every gap over
+# 200 us between two reads of the clock (docs/benchmarks.md, "Twenty-ninth
+# round": the host took this machine's CPUs away for up to 10 ms at a time).
+host_probe() { # host_probe SECONDS CPU: one JSON line
+  python3 - "$1" "$2" <<'PY'
+import json, os, sys, time
+seconds, cpu = float(sys.argv[1]), int(sys.argv[2])
+os.sched_setaffinity(0, {cpu})
+clock = time.perf_counter_ns
+gaps = []
+last = start = clock()
+while last < start + int(seconds * 1e9):
+    now = clock()
+    if now - last > 200_000:
+        gaps.append((now - last) / 1e6)
+    last = now
+print(json.dumps({"cpu": cpu, "gaps_over_1ms": sum(g > 1 for g in gaps), "stalled_ms": round(sum(gaps), 1),
+                  "longest_ms": round(max(gaps, default=0), 2)}))
+PY
+}
+: > "$OUT_DIR/host-stalls.jsonl"
+if [[ $HOST_PROBE_SECONDS != 0 ]]; then
+  echo "host stalls, ${HOST_PROBE_SECONDS} s" >&2
+  for cpu in $(python3 -c "import os; print(' '.join(map(str, sorted(os.sched_getaffinity(0)))))"); do
+    host_probe "$HOST_PROBE_SECONDS" "$cpu" >> "$OUT_DIR/host-stalls.jsonl" &
+  done
+  wait
+fi
 "$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
 single=$!
 sleep 1
@@ -403,9 +436,9 @@ PY
 done
 "$ROOT/cluster/local.sh" down > /dev/null
 
-python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" "$ACTORS" <<'PY'
+python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" "$ACTORS" "$HOST_PROBE_SECONDS" <<'PY'
 import json, os, re, sys
-out, connections, pipeline, duration, rate, failovers, actors = sys.argv[1:8]
+out, connections, pipeline, duration, rate, failovers, actors, host_probe_seconds = sys.argv[1:9]
 duration = float(duration)
 def path(name): return os.path.join(out, name)
 def read(name):
@@ -554,6 +587,11 @@ print(f"| (five nodes fast with as many connections per node as three: CPU per h
       f"{rows['five-fast-scaled']['cpu'] / rows['fast']['cpu']:.2f}x | context |")
 print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms (one node {single_p99 / 1000:.2f} ms) | <= 2 ms |")
 print(f"| (the same, leader-aware clients) | {strict_aware_p99 / 1000:.2f} ms | context |")
+stalls = [json.loads(line) for line in open(path("host-stalls.jsonl")) if line.strip()]
+if stalls:
+    print(f"| (host stalls on the idle machine before the open loop, {host_probe_seconds} s: per CPU, gaps over 1 ms, "
+          f"stalled ms, longest ms) | " + "; ".join(f"cpu{x['cpu']} {x['gaps_over_1ms']}, {x['stalled_ms']}, {x['longest_ms']}"
+          for x in sorted(stalls, key=lambda x: x["cpu"])) + " | context |")
 print(f"| (the same, {connections} connections every 100 us) | {strict_many_p99 / 1000:.2f} ms (one node {single_many_p99 / 1000:.2f} ms) | context |")
 if failover_ms:
     ms = sorted(failover_ms)
