@@ -43,11 +43,15 @@
 #    connections in all (up to 256 requests in flight each: the schedule,
 #    not the pipeline, sets the pace), from one generator in both cases
 #    (the cluster's connections spread over its nodes), so that the
-#    clients' share of the machine is the same; then three strict nodes
-#    with leader-aware clients (context); then again with CONNECTIONS
-#    connections, each sending every 100 us (context: a read then carries
-#    about one hit, which costs a node several times its closed-loop CPU
-#    per hit, and the machine's cores fill).
+#    clients' share of the machine is the same, and three strict nodes
+#    with leader-aware clients (context): OPEN_ROUNDS rounds of the three,
+#    interleaved (the single node and the cluster both up throughout,
+#    each idle while the other runs), reported as each setup's median p99
+#    and its range, because one run's p99 swings with what the host does
+#    (docs/benchmarks.md, "Twenty-ninth round"); then once more with
+#    CONNECTIONS connections, each sending every 100 us (context: a read
+#    then carries about one hit, which costs a node several times its
+#    closed-loop CPU per hit, and the machine's cores fill).
 # 4. Failover under load (strict): while the open-loop load of step 3 runs,
 #    the node leading the most shards is SIGKILLed; a probe
 #    (`tollgate-loadtest failover-probe`) hitting every shard through a
@@ -72,10 +76,10 @@
 # OPEN_CONNECTIONS (15), PACE_US (500: the open-loop generators send once per
 # 500 us, every request due by then in one write per connection, as a
 # pipelining client does; the wait counts in the latencies),
-# HOST_PROBE_SECONDS (5; 0 skips it: before the open loop, a busy loop per
-# CPU on the otherwise idle machine times the gaps over 200 us in its own
-# running, which is the host taking a virtual CPU away; reported as
-# context for the open loop's tail).
+# OPEN_ROUNDS (5), HOST_PROBE_SECONDS (5; 0 skips it: before the open
+# loop, a busy loop per CPU on the otherwise idle machine times the gaps
+# over 200 us in its own running, which is the host taking a virtual CPU
+# away; reported as context for the open loop's tail).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -97,6 +101,7 @@ BASE_PORT=${BASE_PORT:-28321}
 PACE_US=${PACE_US:-500}
 OPEN_CONNECTIONS=${OPEN_CONNECTIONS:-15}
 HOST_PROBE_SECONDS=${HOST_PROBE_SECONDS:-5}
+OPEN_ROUNDS=${OPEN_ROUNDS:-5}
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT
@@ -386,25 +391,33 @@ if [[ $HOST_PROBE_SECONDS != 0 ]]; then
   done
   wait
 fi
-"$TOLLGATE" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
-single=$!
-sleep 1
-open_load open-single "127.0.0.1:$BASE_PORT" "$OPEN_CONNECTIONS" "$RATE"
-open_load open-single-many "127.0.0.1:$BASE_PORT" "$CONNECTIONS" "$RATE" 100
-kill "$single"; wait "$single" || true
 per_node=$((OPEN_CONNECTIONS / 3))
 per_node_rate=$((RATE / 3))
 CONSISTENCY=strict "$ROOT/cluster/local.sh" up > /dev/null
 wait_balanced "$TOLLGATE" 3
 all_nodes="127.0.0.1:$BASE_PORT,127.0.0.1:$((BASE_PORT + 1)),127.0.0.1:$((BASE_PORT + 2))"
-open_load open-strict "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" &
-# How busy the whole machine (servers and generator) is meanwhile.
-sleep "$WARMUP"; read -r -a stat_before < /proc/stat
-sleep "$(( ${DURATION%.*} > 2 ? ${DURATION%.*} - 1 : 1 ))"; read -r -a stat_after < /proc/stat
-python3 -c "import sys; a, b = [list(map(int, x.split()[1:])) for x in sys.argv[1:3]]; d = [y - x for x, y in zip(a, b)]; print(f'{100 * (1 - (d[3] + d[4]) / sum(d)):.0f}')" \
-  "${stat_before[*]}" "${stat_after[*]}" > "$OUT_DIR/open-busy.percent"
-wait
-open_load open-strict-aware "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" "$PACE_US" --leader-aware --rules "$RULES"
+# The single node beside the cluster, on a port after the five nodes'.
+single_open="127.0.0.1:$((BASE_PORT + 9))"
+"$TOLLGATE" serve --listen "$single_open" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
+single=$!
+sleep 1
+kill -0 "$single" || { echo "bench.sh: the single node did not start on $single_open (see $OUT_DIR/single-open.log)" >&2; exit 1; }
+: > "$OUT_DIR/open-busy.percent"
+for round in $(seq 1 "$OPEN_ROUNDS"); do
+  echo "open loop, round $round of $OPEN_ROUNDS" >&2
+  open_load "open-single-$round" "$single_open" "$OPEN_CONNECTIONS" "$RATE"
+  open_load "open-strict-$round" "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" &
+  strict_load=$!
+  # How busy the whole machine (servers and generator) is meanwhile.
+  sleep "$WARMUP"; read -r -a stat_before < /proc/stat
+  sleep "$(( ${DURATION%.*} > 2 ? ${DURATION%.*} - 1 : 1 ))"; read -r -a stat_after < /proc/stat
+  python3 -c "import sys; a, b = [list(map(int, x.split()[1:])) for x in sys.argv[1:3]]; d = [y - x for x, y in zip(a, b)]; print(f'{100 * (1 - (d[3] + d[4]) / sum(d)):.0f}')" \
+    "${stat_before[*]}" "${stat_after[*]}" >> "$OUT_DIR/open-busy.percent"
+  wait "$strict_load"
+  open_load "open-strict-aware-$round" "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" "$PACE_US" --leader-aware --rules "$RULES"
+done
+open_load open-single-many "$single_open" "$CONNECTIONS" "$RATE" 100
+kill "$single"; wait "$single" || true
 open_load open-strict-many "$all_nodes" "$CONNECTIONS" "$RATE" 100
 
 # Step 4: failover under load, on the same cluster.
@@ -436,9 +449,10 @@ PY
 done
 "$ROOT/cluster/local.sh" down > /dev/null
 
-python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" "$ACTORS" "$HOST_PROBE_SECONDS" <<'PY'
+python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" "$ACTORS" "$HOST_PROBE_SECONDS" "$OPEN_ROUNDS" <<'PY'
 import json, os, re, sys
-out, connections, pipeline, duration, rate, failovers, actors, host_probe_seconds = sys.argv[1:9]
+out, connections, pipeline, duration, rate, failovers, actors, host_probe_seconds, open_rounds = sys.argv[1:10]
+open_rounds = int(open_rounds)
 duration = float(duration)
 def path(name): return os.path.join(out, name)
 def read(name):
@@ -530,26 +544,34 @@ print()
 idle = float(open(path("idle.percent")).read())
 print(f"Idle three-node cluster: {idle:.1f}% of one core (all three processes).")
 print()
-busy = open(path("open-busy.percent")).read().strip()
-open_config = read("open-single")["config"]
+busy = [int(x) for x in open(path("open-busy.percent")).read().split()]
+open_config = read("open-single-1")["config"]
 print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {open_config['connections']} connections, "
       f"from one generator sending every {open_config['pace_us']} us what is due by then (latency from each request's due time; "
-      f"the cluster's connections spread over its three nodes); the whole machine was {busy}% busy during the cluster's run. "
-      f"Then three strict nodes with leader-aware clients, and again with {connections} connections sending every 100 us.")
+      f"the cluster's connections spread over its three nodes); {open_rounds} rounds of one node, three strict nodes and three "
+      f"strict nodes with leader-aware clients, interleaved (medians, and the range over the rounds); the whole machine was "
+      f"{min(busy)}-{max(busy)}% busy during the cluster's runs. Then once with {connections} connections sending every 100 us.")
 print()
-print("| setup | hits/s | p50 (us) | p99 (us) | errors |")
-print("|---|---:|---:|---:|---:|")
-def open_row(name, label):
-    run = read(name)
-    print(f"| {label} | {run['throughput_per_sec']:.0f} | {run['latency_us']['p50']:.0f} | "
-          f"{run['latency_us']['p99']:.0f} | {run['errors']} |")
-    return run["latency_us"]["p99"]
-single_p99 = open_row("open-single", "one node")
-strict_p99 = open_row("open-strict", "three nodes, strict")
-strict_aware_p99 = open_row("open-strict-aware", "three nodes, strict, leader-aware clients")
+print("| setup | hits/s | p50 (us) | p99 (us), median | p99 (us), rounds | errors |")
+print("|---|---:|---:|---:|---|---:|")
+def median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+def open_row(names, label):
+    got = [read(name) for name in names]
+    p99 = [run["latency_us"]["p99"] for run in got]
+    print(f"| {label} | {median([r['throughput_per_sec'] for r in got]):.0f} | "
+          f"{median([r['latency_us']['p50'] for r in got]):.0f} | {median(p99):.0f} | "
+          f"{', '.join(f'{x:.0f}' for x in p99)} | {sum(r['errors'] for r in got)} |")
+    return median(p99)
+rounds_of = lambda name: [f"{name}-{r}" for r in range(1, open_rounds + 1)]
+single_p99 = open_row(rounds_of("open-single"), "one node")
+strict_p99 = open_row(rounds_of("open-strict"), "three nodes, strict")
+strict_aware_p99 = open_row(rounds_of("open-strict-aware"), "three nodes, strict, leader-aware clients")
 many = f", {connections} connections every 100 us"
-single_many_p99 = open_row("open-single-many", f"one node{many}")
-strict_many_p99 = open_row("open-strict-many", f"three nodes, strict{many}")
+single_many_p99 = open_row(["open-single-many"], f"one node{many}")
+strict_many_p99 = open_row(["open-strict-many"], f"three nodes, strict{many}")
 failover_ms = []
 for r in range(1, int(failovers) + 1):
     for word in open(path(f"failover-{r}.txt")).read().split():
@@ -585,7 +607,8 @@ print(f"| (five nodes fast / three, over that floor: what the cluster adds) | "
 print(f"| (five nodes strict / three, over that floor) | {rows['five']['cpu'] / rows['strict']['cpu'] / floor:.2f}x | context |")
 print(f"| (five nodes fast with as many connections per node as three: CPU per hit / three nodes') | "
       f"{rows['five-fast-scaled']['cpu'] / rows['fast']['cpu']:.2f}x | context |")
-print(f"| strict p99 at a third of its maximum, open loop | {strict_p99 / 1000:.2f} ms (one node {single_p99 / 1000:.2f} ms) | <= 2 ms |")
+print(f"| strict p99 at a third of its maximum, open loop, median of {open_rounds} rounds | "
+      f"{strict_p99 / 1000:.2f} ms (one node {single_p99 / 1000:.2f} ms) | <= 2 ms |")
 print(f"| (the same, leader-aware clients) | {strict_aware_p99 / 1000:.2f} ms | context |")
 stalls = [json.loads(line) for line in open(path("host-stalls.jsonl")) if line.strip()]
 if stalls:
