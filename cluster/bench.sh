@@ -102,6 +102,7 @@ PACE_US=${PACE_US:-500}
 OPEN_CONNECTIONS=${OPEN_CONNECTIONS:-15}
 HOST_PROBE_SECONDS=${HOST_PROBE_SECONDS:-5}
 OPEN_ROUNDS=${OPEN_ROUNDS:-5}
+[[ $OPEN_ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "bench.sh: OPEN_ROUNDS must be a whole number of at least 1, not '$OPEN_ROUNDS'" >&2; exit 1; }
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-bench-$$}
 mkdir -p "$OUT_DIR"
 export TOLLGATE BASE_PORT
@@ -401,7 +402,11 @@ single_open="127.0.0.1:$((BASE_PORT + 9))"
 "$TOLLGATE" serve --listen "$single_open" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
 single=$!
 sleep 1
-kill -0 "$single" || { echo "bench.sh: the single node did not start on $single_open (see $OUT_DIR/single-open.log)" >&2; exit 1; }
+if ! kill -0 "$single" 2> /dev/null; then
+  echo "bench.sh: the single node did not start on $single_open (see $OUT_DIR/single-open.log)" >&2
+  "$ROOT/cluster/local.sh" down > /dev/null
+  exit 1
+fi
 : > "$OUT_DIR/open-busy.percent"
 for round in $(seq 1 "$OPEN_ROUNDS"); do
   echo "open loop, round $round of $OPEN_ROUNDS" >&2
