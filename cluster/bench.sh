@@ -456,6 +456,7 @@ done
 
 python3 - "$OUT_DIR" "$CONNECTIONS" "$PIPELINE" "$DURATION" "$RATE" "$FAILOVERS" "$ACTORS" "$HOST_PROBE_SECONDS" "$OPEN_ROUNDS" <<'PY'
 import json, os, re, sys
+from statistics import median
 out, connections, pipeline, duration, rate, failovers, actors, host_probe_seconds, open_rounds = sys.argv[1:10]
 open_rounds = int(open_rounds)
 duration = float(duration)
@@ -559,10 +560,6 @@ print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maxi
 print()
 print("| setup | hits/s | p50 (us) | p99 (us), median | p99 (us), rounds | errors |")
 print("|---|---:|---:|---:|---|---:|")
-def median(values):
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 def open_row(names, label):
     got = [read(name) for name in names]
     p99 = [run["latency_us"]["p99"] for run in got]
