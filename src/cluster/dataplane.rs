@@ -299,6 +299,16 @@ impl DataPlane {
         self.outs.read().get(&peer).cloned()
     }
 
+    /// Is `peer` known to be down: heard from since this process started,
+    /// but not within the liveness timeout? (A peer not heard from yet, as
+    /// after this node restarted, is not known either way.)
+    pub fn known_down(&self, peer: NodeId) -> bool {
+        peer != self.me
+            && self.existing_out(peer).is_some_and(|out| {
+                out.heard_ever() && !out.heard_within(self.settings.liveness_timeout_ms)
+            })
+    }
+
     /// Is `peer` up, as far as this node can tell (heard from recently)?
     pub fn alive(&self, peer: NodeId) -> bool {
         peer == self.me

@@ -6,8 +6,10 @@
 //!   leader, *prepares* it: confirm the leadership with a majority
 //!   (openraft's `ensure_linearizable`), promise the term locally, and
 //!   collect the counters of a majority of the voters, each of which
-//!   promises the term first (see `replica.rs` for why that is safe). Only
-//!   then does the replica decide hits. After preparing, the leader syncs
+//!   promises the term first (see `replica.rs` for why that is safe), and
+//!   of every other voter not known to be down that answers within an
+//!   election timeout (a voter that lost the end of its counter file may
+//!   be in the first majority). Only then does the replica decide hits. After preparing, the leader syncs
 //!   the shard to its other replicas in the background, so that every
 //!   replica holds the collected counters again.
 //! - **Elections** ([`watch_elections`]): Raft groups send no heartbeats and
@@ -178,7 +180,9 @@ pub async fn lead(node: Arc<ClusterNode>, replica: Arc<Replica>) {
 }
 
 /// Makes this node, the group's leader in `term`, ready to decide: confirm,
-/// promise, collect a majority's counters. Returns how many were collected.
+/// promise, collect a majority's counters (and those of the voters that
+/// answer within an election timeout after it). Returns how many were
+/// collected.
 async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usize, String> {
     let shard = replica.shard;
     let timeout = Duration::from_millis(node.dp.settings.commit_timeout_ms.max(1));
@@ -199,10 +203,13 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
     let config = replica.config();
     let voters: BTreeSet<NodeId> = config.voter_sets.iter().flatten().copied().collect();
     let mut asks = FuturesUnordered::new();
+    // The voters asked whose answers are still out.
+    let mut outstanding: SmallVec<[NodeId; 4]> = SmallVec::new();
     for &voter in voters.iter().filter(|&&v| v != node.id) {
         let Some(link) = node.links.get(voter).or_else(|| node.link_to_member(voter)) else {
             continue;
         };
+        outstanding.push(voter);
         asks.push(async move {
             let answer = link
                 .call(
@@ -223,30 +230,70 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
                 config.voter_sets
             ));
         };
-        match answer {
-            Ok(PeerResponse::Collected(Ok(counters))) => {
-                collected += counters.len();
-                for (key, state) in &counters {
-                    let _ = node.dp.store.merge(key, *state, now_ms);
-                }
-                if let Some(disk) = &node.dp.disk {
-                    disk.log_states(counters.iter().map(|(k, s)| (k.as_slice(), *s)));
-                    disk.write_pending();
-                }
-                holders.push(voter);
-            }
-            Ok(PeerResponse::Collected(Err(ApplyRefusal::Fenced { term: newer }))) => {
-                replica.raft.trigger().heartbeat().await.ok();
-                return Err(format!("node {voter} promised term {newer} already"));
-            }
-            Ok(other) => tracing::debug!(shard, voter, ?other, "collect refused"),
-            Err(error) => tracing::debug!(shard, voter, %error, "collect failed"),
+        outstanding.retain(|v| *v != voter);
+        if let Some(count) = take_collected(node, replica, voter, answer, now_ms).await? {
+            collected += count;
+            holders.push(voter);
+        }
+    }
+    // A majority holds every committed state, unless one of its members
+    // lost the end of its counter file (damage, or a power cut under
+    // `--fsync interval`) and came back: then the state may be only on a
+    // voter that has not answered yet. So the voters still out are waited
+    // for too, for up to an election timeout (one that is up answers within
+    // a round trip), except those known to be down (the leader that died,
+    // most often). Merging more is always safe: the merge is idempotent.
+    let grace = Duration::from_millis(node.election_timeout_ms.max(1));
+    let deadline = tokio::time::Instant::now() + grace;
+    while outstanding.iter().any(|&v| !node.dp.known_down(v)) {
+        let Ok(Some((voter, answer))) = tokio::time::timeout_at(deadline, asks.next()).await else {
+            break;
+        };
+        outstanding.retain(|v| *v != voter);
+        if let Some(count) = take_collected(node, replica, voter, answer, now_ms).await? {
+            collected += count;
         }
     }
     if !replica.set_ready(term) {
         return Err(format!("term {term} was superseded while collecting"));
     }
     Ok(collected)
+}
+
+/// One voter's answer to a leader's `Collect`: its counters merged into
+/// this node's store (and data dir), `Some(how many)`; `None` when it
+/// refused or could not be asked; an error when it promised a newer term.
+async fn take_collected(
+    node: &ClusterNode,
+    replica: &Replica,
+    voter: NodeId,
+    answer: Result<PeerResponse, super::links::LinkError>,
+    now_ms: u64,
+) -> Result<Option<usize>, String> {
+    match answer {
+        Ok(PeerResponse::Collected(Ok(counters))) => {
+            for (key, state) in &counters {
+                let _ = node.dp.store.merge(key, *state, now_ms);
+            }
+            if let Some(disk) = &node.dp.disk {
+                disk.log_states(counters.iter().map(|(k, s)| (k.as_slice(), *s)));
+                disk.write_pending();
+            }
+            Ok(Some(counters.len()))
+        }
+        Ok(PeerResponse::Collected(Err(ApplyRefusal::Fenced { term: newer }))) => {
+            replica.raft.trigger().heartbeat().await.ok();
+            Err(format!("node {voter} promised term {newer} already"))
+        }
+        Ok(other) => {
+            tracing::debug!(shard = replica.shard, voter, ?other, "collect refused");
+            Ok(None)
+        }
+        Err(error) => {
+            tracing::debug!(shard = replica.shard, voter, %error, "collect failed");
+            Ok(None)
+        }
+    }
 }
 
 /// Why a leader syncs a replica: it became ready to lead the shard, or the

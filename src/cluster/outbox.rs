@@ -143,6 +143,11 @@ impl PeerOut {
         self.peer_boot.load(Ordering::Acquire)
     }
 
+    /// Heard from at all, since this process started?
+    pub fn heard_ever(&self) -> bool {
+        self.heard_ms.load(Ordering::Relaxed) != 0
+    }
+
     /// Heard from within `ms`?
     pub fn heard_within(&self, ms: u64) -> bool {
         let at = self.heard_ms.load(Ordering::Relaxed);

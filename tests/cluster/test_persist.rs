@@ -2,9 +2,11 @@
 //! started again keeps every counter exactly; SIGKILLed all at once under
 //! strict load, it keeps every acknowledged hit and admits no actor past
 //! its limit across the restart; a node whose data dir is damaged says
-//! which file, recovers from its peers and keeps the counters; and after
-//! `add-node`/`remove-node` a full restart uses the member list from the
-//! data dirs, not the cluster file.
+//! which file, recovers from its peers and keeps the counters; a leader
+//! back with the end of its counter file lost, in a first majority that
+//! lacks a committed state, still collects it from the voter that has it;
+//! and after `add-node`/`remove-node` a full restart uses the member list
+//! from the data dirs, not the cluster file.
 
 use crate::cluster_support::*;
 use std::collections::BTreeMap;
@@ -298,6 +300,110 @@ fn a_damaged_data_dir_names_the_file_and_the_node_recovers_from_its_peers() {
     cluster.wait_healthy(Duration::from_secs(30));
     assert_eq!(credits(&cluster, 3, "/big", &users), before);
     assert_eq!(credits(&cluster, 2, "/big", &users), before);
+}
+
+/// A leader's counter file that lost its end (here: put back as it was
+/// before the hits) while the round carrying those hits had reached only
+/// the node that forwarded them. Node 3 leads the counter's shard, node 2
+/// next in line; node 3's rounds to node 2 are dropped, so the hits commit
+/// through node 1. Node 3 is killed, its counter file rolled back, and it
+/// comes back before its peers give up on it (an election timeout of 3 s),
+/// while node 2 cannot reach it to learn that it restarted (so node 2 does
+/// not stand for the shard). Node 3 leads the shard again and prepares:
+/// node 2's counters come at once, node 1's 80 ms later through a
+/// delayed link, and the first majority (nodes 3 and 2) lacks the hits.
+/// They must still be counted: the new leader collects every voter not
+/// known to be down, not only the first majority.
+#[test]
+fn a_new_leader_collects_every_voter_it_hears_not_only_the_first_majority() {
+    let mut cluster = TestCluster::start_proxied(
+        3,
+        SHARDS,
+        &[
+            "--raft-election-timeout-ms",
+            "3000",
+            "--leader-balance",
+            "false",
+        ],
+    );
+    let topology = cluster.wait_healthy(Duration::from_secs(30));
+    let orders =
+        tollgate::cluster::placement::Placement::new(SHARDS, 3, vec![1, 2, 3]).leader_orders();
+    let (user, shard) = (0..)
+        .map(|n| format!("rollback{n}"))
+        .find_map(|user| {
+            let shard = shard_of_user(SHARDS, "path=/big", 1_000_000, 600, &user);
+            let placed = topology.placement.iter().find(|s| s.shard == shard)?;
+            (orders[shard as usize] == [3, 2, 1] && placed.leader == Some(3))
+                .then_some((user, shard))
+        })
+        .unwrap();
+    let counters = cluster.data_dir(3).join("counters");
+    let saved: Vec<(std::path::PathBuf, Vec<u8>)> = std::fs::read_dir(&counters)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|path| (path.clone(), std::fs::read(&path).unwrap()))
+        .collect();
+    cluster.link(3, 2).blackhole();
+    let hits: Vec<String> = (0..5)
+        .map(|_| format!("HIT path=/big user={user}"))
+        .collect();
+    let answers = converse(cluster.client(1), &hits);
+    assert!(
+        answers.iter().all(|a| a.starts_with("OK true")),
+        "{answers:?}"
+    );
+    assert_eq!(
+        parse_ok(answers.last().unwrap()).unwrap().1,
+        1_000_000 - 5,
+        "{answers:?}"
+    );
+    let before = peek_credit(cluster.client(1), "/big", &user);
+    assert!(
+        cluster.link(3, 2).stats().bytes_dropped > 0,
+        "node 3's round to node 2 was dropped"
+    );
+    cluster.kill(3);
+    for entry in std::fs::read_dir(&counters).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    for (path, bytes) in &saved {
+        std::fs::write(path, bytes).unwrap();
+    }
+    cluster.link(3, 2).heal();
+    cluster.link(2, 3).blackhole();
+    cluster.link(3, 1).set_delay(40);
+    cluster.spawn(3, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen = tollgate::cluster::status::fetch_topology(
+            &cluster.client(3).to_string(),
+            Duration::from_secs(2),
+        )
+        .ok();
+        let led = seen
+            .as_ref()
+            .and_then(|t| t.placement.iter().find(|s| s.shard == shard))
+            .is_some_and(|s| s.leader == Some(3));
+        if led {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node 3 did not lead shard {shard} again: {:?}",
+            seen.as_ref().map(tollgate::cluster::status::render)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    cluster.link(2, 3).heal();
+    cluster.wait_healthy(Duration::from_secs(30));
+    for via in [3, 1, 2] {
+        assert_eq!(
+            peek_credit(cluster.client(via), "/big", &user),
+            before,
+            "{user} via node {via}: the hits only node 1 held were collected"
+        );
+    }
 }
 
 #[test]
