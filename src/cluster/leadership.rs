@@ -9,9 +9,10 @@
 //!   promises the term first (see `replica.rs` for why that is safe), and
 //!   of every other voter not known to be down that answers within an
 //!   election timeout (a voter that lost the end of its counter file may
-//!   be in the first majority). Only then does the replica decide hits. After preparing, the leader syncs
-//!   the shard to its other replicas in the background, so that every
-//!   replica holds the collected counters again.
+//!   be in the first majority). Only then does the replica decide hits.
+//!   After preparing, the leader syncs the shard to its other replicas in
+//!   the background, so that every replica holds the collected counters
+//!   again.
 //! - **Elections** ([`watch_elections`]): Raft groups send no heartbeats and
 //!   run no election timers (idle groups cost nothing); instead every node
 //!   beats to its peers on the data stream, and a voter that has not heard
@@ -222,7 +223,6 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
     }
     let mut holders: SmallVec<[NodeId; 4]> = SmallVec::new();
     let mut collected = 0;
-    let now_ms = node.dp.clock.now_ms();
     while !config.committed(node.id, &holders) {
         let Some((voter, answer)) = asks.next().await else {
             return Err(format!(
@@ -231,7 +231,7 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
             ));
         };
         outstanding.retain(|v| *v != voter);
-        if let Some(count) = take_collected(node, replica, voter, answer, now_ms).await? {
+        if let Some(count) = take_collected(node, replica, voter, answer).await? {
             collected += count;
             holders.push(voter);
         }
@@ -250,7 +250,7 @@ async fn prepare(node: &ClusterNode, replica: &Replica, term: u64) -> Result<usi
             break;
         };
         outstanding.retain(|v| *v != voter);
-        if let Some(count) = take_collected(node, replica, voter, answer, now_ms).await? {
+        if let Some(count) = take_collected(node, replica, voter, answer).await? {
             collected += count;
         }
     }
@@ -268,10 +268,10 @@ async fn take_collected(
     replica: &Replica,
     voter: NodeId,
     answer: Result<PeerResponse, super::links::LinkError>,
-    now_ms: u64,
 ) -> Result<Option<usize>, String> {
     match answer {
         Ok(PeerResponse::Collected(Ok(counters))) => {
+            let now_ms = node.dp.clock.now_ms();
             for (key, state) in &counters {
                 let _ = node.dp.store.merge(key, *state, now_ms);
             }
