@@ -329,13 +329,16 @@ fn a_new_leader_collects_every_voter_it_hears_not_only_the_first_majority() {
     let topology = cluster.wait_healthy(Duration::from_secs(30));
     let orders =
         tollgate::cluster::placement::Placement::new(SHARDS, 3, vec![1, 2, 3]).leader_orders();
-    let (user, shard) = (0..)
+    let (user, shard, term) = (0..)
         .map(|n| format!("rollback{n}"))
         .find_map(|user| {
             let shard = shard_of_user(SHARDS, "path=/big", 1_000_000, 600, &user);
             let placed = topology.placement.iter().find(|s| s.shard == shard)?;
-            (orders[shard as usize] == [3, 2, 1] && placed.leader == Some(3))
-                .then_some((user, shard))
+            (orders[shard as usize] == [3, 2, 1] && placed.leader == Some(3)).then_some((
+                user,
+                shard,
+                placed.term,
+            ))
         })
         .unwrap();
     let counters = cluster.data_dir(3).join("counters");
@@ -384,13 +387,17 @@ fn a_new_leader_collects_every_voter_it_hears_not_only_the_first_majority() {
         let led = seen
             .as_ref()
             .and_then(|t| t.placement.iter().find(|s| s.shard == shard))
-            .is_some_and(|s| s.leader == Some(3));
+            // Node 3 leads again (at once, its vote restored); or, on a
+            // machine so slow that its peers gave up on it first, another
+            // voter was elected. The hits must be counted either way (only
+            // the first shows the first majority lacking them).
+            .is_some_and(|s| s.leader == Some(3) || (s.leader.is_some() && s.term > term));
         if led {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "node 3 did not lead shard {shard} again: {:?}",
+            "no leader of shard {shard} after node 3's restart: {:?}",
             seen.as_ref().map(tollgate::cluster::status::render)
         );
         std::thread::sleep(Duration::from_millis(100));
