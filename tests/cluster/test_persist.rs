@@ -329,7 +329,7 @@ fn a_new_leader_collects_every_voter_it_hears_not_only_the_first_majority() {
     let topology = cluster.wait_healthy(Duration::from_secs(30));
     let orders =
         tollgate::cluster::placement::Placement::new(SHARDS, 3, vec![1, 2, 3]).leader_orders();
-    let (user, shard, term) = (0..)
+    let (user, shard, term) = (0..10_000)
         .map(|n| format!("rollback{n}"))
         .find_map(|user| {
             let shard = shard_of_user(SHARDS, "path=/big", 1_000_000, 600, &user);
@@ -340,7 +340,7 @@ fn a_new_leader_collects_every_voter_it_hears_not_only_the_first_majority() {
                 placed.term,
             ))
         })
-        .unwrap();
+        .expect("a counter of a shard node 3 leads, node 2 next in line");
     let counters = cluster.data_dir(3).join("counters");
     let saved: Vec<(std::path::PathBuf, Vec<u8>)> = std::fs::read_dir(&counters)
         .unwrap()
