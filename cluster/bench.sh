@@ -23,8 +23,12 @@
 #    strict with leader-aware clients (what strict replication itself costs
 #    at five nodes, without the forwarding of plain clients); three, then five
 #    independent single nodes (no cluster: what that many processes cost
-#    on these cores, the floor under the five-node ratio); then one node
-#    again. Fast mode runs
+#    on these cores, the floor under the five-node ratio); three, then five
+#    nodes of `tollgate-mesh-floor` (a strict cluster's divvy path as
+#    messages only: forwards, rounds to two followers, acknowledgements,
+#    relayed answers, one frame per peer per turn, and no rule, counter or
+#    store; the floor of those messages under the five-node ratio); then
+#    one node again. Fast mode runs
 #    with its defaults, quota leases included (docs/cluster.md, "Quota
 #    leases"); strict mode with its own, without leases. The ratios to one node use the mean of its
 #    two runs: a single run of it swung the ratios by up to 15 % from one
@@ -44,8 +48,10 @@
 #    not the pipeline, sets the pace), from one generator in both cases
 #    (the cluster's connections spread over its nodes), so that the
 #    clients' share of the machine is the same, and three strict nodes
-#    with leader-aware clients (context): OPEN_ROUNDS rounds of the three,
-#    interleaved (the single node and the cluster both up throughout,
+#    with leader-aware clients (context), and three nodes of
+#    `tollgate-mesh-floor` (the messages' floor under the strict row's
+#    p99): OPEN_ROUNDS rounds of the four,
+#    interleaved (the single node, the cluster and the floor up throughout,
 #    each idle while the other runs), reported as each setup's median p99
 #    and its range, because one run's p99 swings with what the host does
 #    (docs/benchmarks.md, "Twenty-ninth round"); then once more with
@@ -85,7 +91,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 LOADTEST=${LOADTEST:-$ROOT/target/release/tollgate-loadtest}
 TOLLGATE=${TOLLGATE:-$ROOT/target/release/tollgate}
-for binary in "$LOADTEST" "$TOLLGATE"; do
+FLOOR=${FLOOR:-$(dirname "$LOADTEST")/tollgate-mesh-floor}
+for binary in "$LOADTEST" "$TOLLGATE" "$FLOOR"; do
   [[ -x $binary ]] || { echo "bench.sh: $binary is missing (cargo build --release --workspace, or set LOADTEST and TOLLGATE)" >&2; exit 1; }
 done
 CONNECTIONS=${CONNECTIONS:-48}
@@ -276,6 +283,43 @@ single_nodes_run single 1
 single_nodes_run singles-3 3
 single_nodes_run singles-5 5
 
+# Mesh floor nodes serve clients on BASE_PORT+20+N-1 and peers on
+# BASE_PORT+1020+N-1, clear of the clusters' and the single node's ports.
+floor_client() { echo "127.0.0.1:$((BASE_PORT + 20 + $1 - 1))"; }
+# floor_up NODES: starts that many mesh floor nodes; their pids in FLOOR_PIDS.
+floor_up() {
+  local nodes=$1 n peers=""
+  for n in $(seq 1 "$nodes"); do peers+="127.0.0.1:$((BASE_PORT + 1020 + n - 1)),"; done
+  FLOOR_PIDS=()
+  for n in $(seq 1 "$nodes"); do
+    "$FLOOR" --id "$n" --listen "$(floor_client "$n")" --peers "${peers%,}" > "$OUT_DIR/floor-$nodes-$n.log" 2>&1 &
+    FLOOR_PIDS+=($!)
+  done
+  sleep 1
+  for n in $(seq 1 "$nodes"); do
+    kill -0 "${FLOOR_PIDS[n - 1]}" 2> /dev/null \
+      || { echo "bench.sh: mesh floor node $n did not start: $(tail -1 "$OUT_DIR/floor-$nodes-$n.log")" >&2; exit 1; }
+  done
+}
+floor_down() { kill "${FLOOR_PIDS[@]}"; wait "${FLOOR_PIDS[@]}" 2> /dev/null || true; }
+# floor_run NAME NODES: the mesh floor loaded as a cluster's nodes are.
+floor_run() {
+  local name=$1 nodes=$2 waits=() n
+  echo "$nodes mesh floor nodes ($name)" >&2
+  floor_up "$nodes"
+  measure "$name" "" "${FLOOR_PIDS[@]}" &
+  waits+=($!)
+  for n in $(seq 1 "$nodes"); do
+    load "$name-node$n" "$(floor_client "$n")" "$((CONNECTIONS / nodes))" &
+    waits+=($!)
+  done
+  wait "${waits[@]}"
+  floor_down
+  echo "$nodes" > "$OUT_DIR/$name.nodes"
+}
+floor_run floor-3 3
+floor_run floor-5 5
+
 # join_nodes_4_and_5 CONSISTENCY LABEL: grows the running cluster to five
 # nodes (each started with the cluster's consistency, or it is refused);
 # their output in $OUT_DIR/join-LABEL-N.txt.
@@ -401,6 +445,8 @@ all_nodes="127.0.0.1:$BASE_PORT,127.0.0.1:$((BASE_PORT + 1)),127.0.0.1:$((BASE_P
 single_open="127.0.0.1:$((BASE_PORT + 9))"
 "$TOLLGATE" serve --listen "$single_open" "$RULES" > "$OUT_DIR/single-open.log" 2>&1 &
 single=$!
+floor_up 3
+floor_open="$(floor_client 1),$(floor_client 2),$(floor_client 3)"
 sleep 1
 if ! kill -0 "$single" 2> /dev/null; then
   echo "bench.sh: the single node did not start on $single_open (see $OUT_DIR/single-open.log)" >&2
@@ -420,7 +466,9 @@ for round in $(seq 1 "$OPEN_ROUNDS"); do
     "${stat_before[*]}" "${stat_after[*]}" >> "$OUT_DIR/open-busy.percent"
   wait "$strict_load"
   open_load "open-strict-aware-$round" "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" "$PACE_US" --leader-aware --rules "$RULES"
+  open_load "open-floor-$round" "$floor_open" "$OPEN_CONNECTIONS" "$RATE"
 done
+floor_down
 open_load open-single-many "$single_open" "$CONNECTIONS" "$RATE" 100
 kill "$single"; wait "$single" || true
 open_load open-strict-many "$all_nodes" "$CONNECTIONS" "$RATE" 100
@@ -500,6 +548,8 @@ for name, label in [("single", "one node"), ("strict", "three nodes, strict"), (
                     ("five-ring-fast", "five nodes, fast, ring placement"),
                     ("singles-3", "three independent single nodes (no cluster)"),
                     ("singles-5", "five independent single nodes (no cluster)"),
+                    ("floor-3", "three mesh floor nodes (messages only)"),
+                    ("floor-5", "five mesh floor nodes (messages only)"),
                     ("single-again", "one node, again (after the clusters)")]:
     r = runs(name)
     label = label.format(connections=sum(x["config"]["connections"] for x in r))
@@ -554,8 +604,8 @@ busy = [int(x) for x in open(path("open-busy.percent")).read().split()]
 open_config = read("open-single-1")["config"]
 print(f"Open loop at {rate} hits/s offered (a third of the strict cluster's maximum above), {open_config['connections']} connections, "
       f"from one generator sending every {open_config['pace_us']} us what is due by then (latency from each request's due time; "
-      f"the cluster's connections spread over its three nodes); {open_rounds} rounds of one node, three strict nodes and three "
-      f"strict nodes with leader-aware clients, interleaved (medians, and the range over the rounds); the whole machine was "
+      f"the cluster's connections spread over its three nodes); {open_rounds} rounds of one node, three strict nodes, three "
+      f"strict nodes with leader-aware clients and three mesh floor nodes, interleaved (medians, and the range over the rounds); the whole machine was "
       f"{min(busy)}-{max(busy)}% busy during the cluster's runs. Then once with {connections} connections sending every 100 us.")
 print()
 print("| setup | hits/s | p50 (us) | p99 (us), median | p99 (us), rounds | errors |")
@@ -571,6 +621,7 @@ rounds_of = lambda name: [f"{name}-{r}" for r in range(1, open_rounds + 1)]
 single_p99 = open_row(rounds_of("open-single"), "one node")
 strict_p99 = open_row(rounds_of("open-strict"), "three nodes, strict")
 strict_aware_p99 = open_row(rounds_of("open-strict-aware"), "three nodes, strict, leader-aware clients")
+floor_p99 = open_row(rounds_of("open-floor"), "three mesh floor nodes (messages only)")
 many = f", {connections} connections every 100 us"
 single_many_p99 = open_row(["open-single-many"], f"one node{many}")
 strict_many_p99 = open_row(["open-strict-many"], f"three nodes, strict{many}")
@@ -607,11 +658,14 @@ print(f"| (five independent single nodes: CPU per hit / three's, no cluster at a
 print(f"| (five nodes fast / three, over that floor: what the cluster adds) | "
       f"{rows['five-fast']['cpu'] / rows['fast']['cpu'] / floor:.2f}x | context |")
 print(f"| (five nodes strict / three, over that floor) | {rows['five']['cpu'] / rows['strict']['cpu'] / floor:.2f}x | context |")
+print(f"| (five mesh floor nodes / three: a strict cluster's messages alone, no work) | "
+      f"{rows['floor-5']['cpu'] / rows['floor-3']['cpu']:.2f}x | context |")
 print(f"| (five nodes fast with as many connections per node as three: CPU per hit / three nodes') | "
       f"{rows['five-fast-scaled']['cpu'] / rows['fast']['cpu']:.2f}x | context |")
 print(f"| strict p99 at a third of its maximum, open loop, median of {open_rounds} rounds | "
       f"{strict_p99 / 1000:.2f} ms (one node {single_p99 / 1000:.2f} ms) | <= 2 ms |")
 print(f"| (the same, leader-aware clients) | {strict_aware_p99 / 1000:.2f} ms | context |")
+print(f"| (the same, three mesh floor nodes: the messages alone) | {floor_p99 / 1000:.2f} ms | context |")
 stalls = [json.loads(line) for line in open(path("host-stalls.jsonl")) if line.strip()]
 if stalls:
     print(f"| (host stalls on the idle machine before the open loop, {host_probe_seconds} s: per CPU, gaps over 1 ms, "
