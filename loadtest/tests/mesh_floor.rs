@@ -2,7 +2,8 @@
 //! forwarder a follower) and five (answers relayed through a follower)
 //! answer every line sent through every node, in order, one reply per line;
 //! a client whose line outgrows the limit is dropped while the others are
-//! still served; and a node whose peers never come up says so and exits.
+//! still served; the work asked for per line is done before the line is
+//! answered; and a node whose peers never come up says so and exits.
 
 // A test stops at the first thing that is not as it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -37,6 +38,10 @@ fn free_addr() -> SocketAddr {
 }
 
 fn start(nodes: usize) -> Mesh {
+    start_with(nodes, &[])
+}
+
+fn start_with(nodes: usize, extra: &[&str]) -> Mesh {
     let peers: Vec<SocketAddr> = (0..nodes).map(|_| free_addr()).collect();
     let clients: Vec<SocketAddr> = (0..nodes).map(|_| free_addr()).collect();
     let peer_list = peers
@@ -54,6 +59,7 @@ fn start(nodes: usize) -> Mesh {
                     &clients[n].to_string(),
                 ])
                 .args(["--peers", &peer_list])
+                .args(extra)
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap()
@@ -169,5 +175,25 @@ fn a_node_whose_peers_never_come_up_names_them_and_exits() {
     assert!(
         stderr.contains(&format!("peer 2 at {}", peers[1])),
         "{stderr}"
+    );
+}
+
+#[test]
+fn the_owners_work_per_line_is_done_before_the_lines_are_answered() {
+    // 1 ms per line at its owner: of 300 lines, some node owns at least
+    // 100, so the batch cannot be answered in under 100 ms however fast
+    // the machine (a lower bound only: a loaded machine is slower still).
+    let mesh = start_with(3, &["--owner-work-ns", "1000000"]);
+    drop(connect(mesh.clients[0]));
+    let started = Instant::now();
+    let replies = hits_answered(mesh.clients[0], 300, "w");
+    let took = started.elapsed();
+    assert!(
+        replies.iter().all(|r| r == "OK true 999 60\n"),
+        "{replies:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(100),
+        "300 lines answered in {took:?}"
     );
 }

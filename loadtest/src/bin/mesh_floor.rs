@@ -16,7 +16,9 @@
 //! rule, counter, decision or store: what this costs in CPU and in latency
 //! under `tollgate-loadtest` is the floor under a Tollgate cluster's own
 //! figures on the same machine (docs/benchmarks.md, "Thirty-second
-//! round").
+//! round"). `--serving-work-ns`, `--owner-work-ns` and `--follower-work-ns`
+//! add a busy loop per line where a real node would work on it, to ask how
+//! much work a latency target leaves room for.
 //!
 //! Not a server to deploy: no authentication, no failure handling (a lost
 //! peer ends the process), loopback measurements only.
@@ -69,6 +71,41 @@ struct Args {
     /// How long to keep trying to reach a peer at start-up, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     connect_timeout_ms: u64,
+    /// CPU time spent on each line by the node its client sent it to, in
+    /// nanoseconds (a busy loop standing for parsing, matching, replying).
+    #[arg(long, default_value_t = 0)]
+    serving_work_ns: u64,
+    /// CPU time spent on each line by its owner, in nanoseconds (deciding).
+    #[arg(long, default_value_t = 0)]
+    owner_work_ns: u64,
+    /// CPU time spent on each line by each follower of its round, in
+    /// nanoseconds (merging the state).
+    #[arg(long, default_value_t = 0)]
+    follower_work_ns: u64,
+}
+
+/// Keeps the CPU busy for `per_line_ns` times `lines` nanoseconds: the
+/// work a real node would do on those lines, for asking how much of it a
+/// latency target leaves room for.
+fn work(per_line_ns: u64, lines: usize) {
+    if per_line_ns == 0 || lines == 0 {
+        return;
+    }
+    let until = Instant::now() + Duration::from_nanos(per_line_ns.saturating_mul(lines as u64));
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
+}
+
+/// How many lines a round's or a forward's bytes carry (each a length
+/// byte and that many bytes).
+fn lines_in(mut bytes: &[u8]) -> usize {
+    let mut lines = 0;
+    while let Some((&len, rest)) = bytes.split_first() {
+        bytes = rest.get(usize::from(len)..).unwrap_or_default();
+        lines += 1;
+    }
+    lines
 }
 
 /// A client's read batch: its lines, and how many still wait for an answer.
@@ -108,6 +145,9 @@ struct Round {
 struct Node {
     id: usize,
     nodes: usize,
+    serving_work_ns: u64,
+    owner_work_ns: u64,
+    follower_work_ns: u64,
     batches: Vec<Option<Batch>>,
     free_batches: Vec<u32>,
     clients: Vec<Option<Client>>,
@@ -227,6 +267,8 @@ impl Node {
             bytes.push(line.len().min(255) as u8);
             bytes.extend_from_slice(&line[..line.len().min(255)]);
         }
+        work(self.serving_work_ns, lines as usize);
+        work(self.owner_work_ns, usize::from(own));
         c.order.push_back(batch_id);
         self.batches[batch_id as usize] = Some(Batch {
             client,
@@ -255,7 +297,9 @@ impl Node {
                     let mut entries = Vec::new();
                     reader.entries(|batch, lines| entries.push((batch, lines)))?;
                     let bytes = reader.u32()? as usize;
-                    self.round_bytes.extend_from_slice(reader.take(bytes)?);
+                    let forwarded = reader.take(bytes)?;
+                    work(self.owner_work_ns, lines_in(forwarded));
+                    self.round_bytes.extend_from_slice(forwarded);
                     for (batch, lines) in entries {
                         self.round_forwarded.push((from, batch, lines));
                     }
@@ -263,7 +307,7 @@ impl Node {
                 TAG_ROUND => {
                     let round = reader.u64()?;
                     let bytes = reader.u32()? as usize;
-                    reader.take(bytes)?;
+                    work(self.follower_work_ns, lines_in(reader.take(bytes)?));
                     let mut mine = Vec::new();
                     reader.entries(|batch, lines| mine.push((batch, lines)))?;
                     for (batch, lines) in mine {
@@ -517,6 +561,9 @@ fn run(args: Args) -> Result<(), String> {
     let mut node = Node {
         id: me,
         nodes,
+        serving_work_ns: args.serving_work_ns,
+        owner_work_ns: args.owner_work_ns,
+        follower_work_ns: args.follower_work_ns,
         batches: Vec::new(),
         free_batches: Vec::new(),
         clients: Vec::new(),
