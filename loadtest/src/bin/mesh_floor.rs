@@ -21,7 +21,8 @@
 //! much work a latency target leaves room for.
 //!
 //! Not a server to deploy: no authentication, no failure handling (a lost
-//! peer ends the process), loopback measurements only.
+//! peer ends the process), no backpressure on a client that does not read
+//! its replies; loopback measurements only.
 
 use clap::Parser;
 use mio::net::{TcpListener, TcpStream};
@@ -128,10 +129,10 @@ struct Client {
 #[derive(Default)]
 struct Outgoing {
     /// `FORWARD` entries: (batch id, lines) and the lines' bytes.
-    forwards: Vec<(u32, u16)>,
+    forwards: Vec<(u32, u32)>,
     forward_bytes: Vec<u8>,
     /// Answers relayed to this peer as a forwarder (`ANSWERS`).
-    answers: Vec<(u32, u16)>,
+    answers: Vec<(u32, u32)>,
     /// The latest round of this peer's this node holds, to acknowledge.
     ack: Option<u64>,
 }
@@ -139,7 +140,7 @@ struct Outgoing {
 /// A round this node owns, waiting for a follower's acknowledgement.
 struct Round {
     id: u64,
-    own: Vec<(u32, u16)>,
+    own: Vec<(u32, u32)>,
 }
 
 struct Node {
@@ -156,8 +157,8 @@ struct Node {
     ins: Vec<(TcpStream, Vec<u8>)>,
     outgoing: Vec<Outgoing>,
     /// The open round: this node's own lines and forwarded ones, by forwarder.
-    round_own: Vec<(u32, u16)>,
-    round_forwarded: Vec<(usize, u32, u16)>,
+    round_own: Vec<(u32, u32)>,
+    round_forwarded: Vec<(usize, u32, u32)>,
     round_bytes: Vec<u8>,
     next_round: u64,
     rounds: VecDeque<Round>,
@@ -177,7 +178,7 @@ fn followers_of(owner: usize, nodes: usize) -> impl Iterator<Item = usize> {
     (1..=FOLLOWERS.min(nodes - 1)).map(move |step| (owner + step) % nodes)
 }
 
-fn put_entries(frame: &mut Vec<u8>, entries: &[(u32, u16)]) {
+fn put_entries(frame: &mut Vec<u8>, entries: &[(u32, u32)]) {
     frame.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     for (batch, lines) in entries {
         frame.extend_from_slice(&batch.to_le_bytes());
@@ -213,10 +214,10 @@ impl Reader<'_> {
     fn u64(&mut self) -> Result<u64, String> {
         Ok(u64::from_le_bytes(self.array()?))
     }
-    fn entries(&mut self, mut each: impl FnMut(u32, u16)) -> Result<(), String> {
+    fn entries(&mut self, mut each: impl FnMut(u32, u32)) -> Result<(), String> {
         for _ in 0..self.u32()? {
             let batch = self.u32()?;
-            let lines = u16::from_le_bytes(self.array()?);
+            let lines = u32::from_le_bytes(self.array()?);
             each(batch, lines);
         }
         Ok(())
@@ -224,11 +225,11 @@ impl Reader<'_> {
 }
 
 impl Node {
-    fn answer(&mut self, batch: u32, lines: u16) {
+    fn answer(&mut self, batch: u32, lines: u32) {
         let Some(Some(b)) = self.batches.get_mut(batch as usize) else {
             return;
         };
-        b.waiting = b.waiting.saturating_sub(u32::from(lines));
+        b.waiting = b.waiting.saturating_sub(lines);
         if b.waiting == 0 {
             self.replied.push(b.client);
         }
@@ -252,8 +253,8 @@ impl Node {
         });
         let taken: Vec<u8> = c.read.drain(..=end).collect();
         let mut lines = 0u32;
-        let mut own = 0u16;
-        let mut forwarded = vec![0u16; self.nodes];
+        let mut own = 0u32;
+        let mut forwarded = vec![0u32; self.nodes];
         for line in taken.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
             lines += 1;
             let owner = owner_of(line, self.nodes);
@@ -268,7 +269,7 @@ impl Node {
             bytes.extend_from_slice(&line[..line.len().min(255)]);
         }
         work(self.serving_work_ns, lines as usize);
-        work(self.owner_work_ns, usize::from(own));
+        work(self.owner_work_ns, own as usize);
         c.order.push_back(batch_id);
         self.batches[batch_id as usize] = Some(Batch {
             client,
@@ -384,7 +385,7 @@ impl Node {
                 frame.extend_from_slice(&round.to_le_bytes());
                 frame.extend_from_slice(&(self.round_bytes.len() as u32).to_le_bytes());
                 frame.extend_from_slice(&self.round_bytes);
-                let mine: Vec<(u32, u16)> = self
+                let mine: Vec<(u32, u32)> = self
                     .round_forwarded
                     .iter()
                     .filter(|(from, ..)| *from == follower)
@@ -393,7 +394,7 @@ impl Node {
                 put_entries(frame, &mine);
                 // The first follower relays the answers of forwarders that
                 // hold no replica.
-                let mut relayed: Vec<(usize, Vec<(u32, u16)>)> = Vec::new();
+                let mut relayed: Vec<(usize, Vec<(u32, u32)>)> = Vec::new();
                 if place == 0 {
                     for &(from, batch, lines) in &self.round_forwarded {
                         if followers.contains(&from) {
