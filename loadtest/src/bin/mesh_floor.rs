@@ -163,6 +163,8 @@ struct Node {
     next_round: u64,
     rounds: VecDeque<Round>,
     replied: Vec<usize>,
+    /// Where every socket read lands first.
+    scratch: Vec<u8>,
 }
 
 fn owner_of(line: &[u8], nodes: usize) -> usize {
@@ -499,32 +501,31 @@ fn write_client(c: &mut Client) {
     c.write.drain(..written);
 }
 
-/// Reads what a socket holds into `buf`; false once the peer closed it.
-fn read_into(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+/// Reads what a socket holds into `buf`, through `scratch` (zeroed once
+/// per node, not per read: a read costs what it copies); false once the
+/// peer closed it.
+fn read_into(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    scratch: &mut [u8],
+) -> std::io::Result<bool> {
     loop {
-        let len = buf.len();
-        buf.resize(len + READ_CHUNK_BYTES, 0);
-        match stream.read(&mut buf[len..]) {
-            Ok(0) => {
-                buf.truncate(len);
-                return Ok(false);
+        match stream.read(scratch) {
+            Ok(0) => return Ok(false),
+            Ok(n) => {
+                buf.extend_from_slice(&scratch[..n]);
+                // A short read drained the socket: with edge-triggered
+                // readiness the next bytes raise a new event, so no second
+                // read to find it empty (tokio reads the same way).
+                if n < scratch.len() {
+                    return Ok(true);
+                }
             }
-            // A short read drained the socket: with edge-triggered readiness
-            // the next bytes raise a new event, so no second read to find
-            // it empty (tokio reads the same way).
-            Ok(n) if n < READ_CHUNK_BYTES => {
-                buf.truncate(len + n);
-                return Ok(true);
-            }
-            Ok(n) => buf.truncate(len + n),
-            Err(e) => {
-                buf.truncate(len);
-                return match e.kind() {
-                    ErrorKind::WouldBlock => Ok(true),
-                    ErrorKind::Interrupted => continue,
-                    _ => Err(e),
-                };
-            }
+            Err(e) => match e.kind() {
+                ErrorKind::WouldBlock => return Ok(true),
+                ErrorKind::Interrupted => {}
+                _ => return Err(e),
+            },
         }
     }
 }
@@ -578,6 +579,7 @@ fn run(args: Args) -> Result<(), String> {
         next_round: 0,
         rounds: VecDeque::new(),
         replied: Vec::new(),
+        scratch: vec![0; READ_CHUNK_BYTES],
     };
     // Dial every peer (a link carries this node's frames one way; the
     // peer's frames come on the connection it dialed), naming this node.
@@ -666,7 +668,9 @@ fn run(args: Args) -> Result<(), String> {
                             if event.is_writable() {
                                 write_client(c);
                             }
-                            read_into(&mut c.stream, &mut c.read).unwrap_or(false) && c.open
+                            read_into(&mut c.stream, &mut c.read, &mut node.scratch)
+                                .unwrap_or(false)
+                                && c.open
                         }
                         None => continue,
                     };
@@ -691,7 +695,7 @@ fn run(args: Args) -> Result<(), String> {
                 Token(t) => {
                     let index = t - FIRST_PEER_IN;
                     let (stream, buf) = &mut node.ins[index];
-                    if !read_into(stream, buf).map_err(|e| e.to_string())? {
+                    if !read_into(stream, buf, &mut node.scratch).map_err(|e| e.to_string())? {
                         return Err("a peer closed its link".into());
                     }
                     let mut buf = std::mem::take(buf);
