@@ -76,7 +76,8 @@
 # BASELINE=/path/to/another/tollgate, each round also runs the default
 # policy with that binary ("baseline"), between the others: an A/B of two
 # builds within one run.
-# Settings: LOADTEST, TOLLGATE (binaries), CONNECTIONS (48), PIPELINE (16),
+# Settings: LOADTEST, TOLLGATE, FLOOR (binaries; FLOOR is tollgate-mesh-floor
+# beside LOADTEST), CONNECTIONS (48), PIPELINE (16),
 # DURATION (10 s), WARMUP (3 s), ACTORS (100000), SHARDS (64), FAILOVERS (3),
 # IDLE_SECONDS (10), BASE_PORT (28321, below the ephemeral range), OUT_DIR,
 # OPEN_CONNECTIONS (15), PACE_US (500: the open-loop generators send once per
@@ -93,7 +94,7 @@ LOADTEST=${LOADTEST:-$ROOT/target/release/tollgate-loadtest}
 TOLLGATE=${TOLLGATE:-$ROOT/target/release/tollgate}
 FLOOR=${FLOOR:-$(dirname "$LOADTEST")/tollgate-mesh-floor}
 for binary in "$LOADTEST" "$TOLLGATE" "$FLOOR"; do
-  [[ -x $binary ]] || { echo "bench.sh: $binary is missing (cargo build --release --workspace, or set LOADTEST and TOLLGATE)" >&2; exit 1; }
+  [[ -x $binary ]] || { echo "bench.sh: $binary is missing (cargo build --release --workspace, or set LOADTEST, TOLLGATE and FLOOR)" >&2; exit 1; }
 done
 CONNECTIONS=${CONNECTIONS:-48}
 PIPELINE=${PIPELINE:-16}
@@ -298,7 +299,8 @@ floor_up() {
   sleep 1
   for n in $(seq 1 "$nodes"); do
     kill -0 "${FLOOR_PIDS[n - 1]}" 2> /dev/null \
-      || { echo "bench.sh: mesh floor node $n did not start: $(tail -1 "$OUT_DIR/floor-$nodes-$n.log")" >&2; exit 1; }
+      || { echo "bench.sh: mesh floor node $n did not start: $(tail -1 "$OUT_DIR/floor-$nodes-$n.log")" >&2
+           kill "${FLOOR_PIDS[@]}" 2> /dev/null; exit 1; }
   done
 }
 floor_down() { kill "${FLOOR_PIDS[@]}"; wait "${FLOOR_PIDS[@]}" 2> /dev/null || true; }
@@ -450,6 +452,7 @@ floor_open="$(floor_client 1),$(floor_client 2),$(floor_client 3)"
 sleep 1
 if ! kill -0 "$single" 2> /dev/null; then
   echo "bench.sh: the single node did not start on $single_open (see $OUT_DIR/single-open.log)" >&2
+  floor_down
   "$ROOT/cluster/local.sh" down > /dev/null
   exit 1
 fi
