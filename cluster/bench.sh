@@ -433,10 +433,14 @@ PY
 : > "$OUT_DIR/host-stalls.jsonl"
 if [[ $HOST_PROBE_SECONDS != 0 ]]; then
   echo "host stalls, ${HOST_PROBE_SECONDS} s" >&2
-  for cpu in $(python3 -c "import os; print(' '.join(map(str, sorted(os.sched_getaffinity(0)))))"); do
-    host_probe "$HOST_PROBE_SECONDS" "$cpu" >> "$OUT_DIR/host-stalls.jsonl" &
+  # Each probe to a file of its own: two appending to one file at once
+  # could interleave their lines.
+  cpus=$(python3 -c "import os; print(' '.join(map(str, sorted(os.sched_getaffinity(0)))))")
+  for cpu in $cpus; do
+    host_probe "$HOST_PROBE_SECONDS" "$cpu" > "$OUT_DIR/host-stalls-cpu$cpu.json" &
   done
   wait
+  for cpu in $cpus; do cat "$OUT_DIR/host-stalls-cpu$cpu.json" >> "$OUT_DIR/host-stalls.jsonl"; done
 fi
 per_node=$((OPEN_CONNECTIONS / 3))
 per_node_rate=$((RATE / 3))
