@@ -297,34 +297,26 @@ impl Node {
         while !reader.bytes.is_empty() {
             match reader.u8()? {
                 TAG_FORWARD => {
-                    let mut entries = Vec::new();
-                    reader.entries(|batch, lines| entries.push((batch, lines)))?;
+                    let round_forwarded = &mut self.round_forwarded;
+                    reader.entries(|batch, lines| round_forwarded.push((from, batch, lines)))?;
                     let bytes = reader.u32()? as usize;
                     let forwarded = reader.take(bytes)?;
                     work(self.owner_work_ns, lines_in(forwarded));
                     self.round_bytes.extend_from_slice(forwarded);
-                    for (batch, lines) in entries {
-                        self.round_forwarded.push((from, batch, lines));
-                    }
                 }
                 TAG_ROUND => {
                     let round = reader.u64()?;
                     let bytes = reader.u32()? as usize;
                     work(self.follower_work_ns, lines_in(reader.take(bytes)?));
-                    let mut mine = Vec::new();
-                    reader.entries(|batch, lines| mine.push((batch, lines)))?;
-                    for (batch, lines) in mine {
-                        self.answer(batch, lines);
-                    }
+                    reader.entries(|batch, lines| self.answer(batch, lines))?;
                     for _ in 0..reader.u32()? {
                         let to = reader.u8()? as usize;
-                        let mut relayed = Vec::new();
-                        reader.entries(|batch, lines| relayed.push((batch, lines)))?;
-                        self.outgoing
+                        let relayed = &mut self
+                            .outgoing
                             .get_mut(to)
                             .ok_or_else(|| format!("relay to unknown node {to}"))?
-                            .answers
-                            .extend(relayed);
+                            .answers;
+                        reader.entries(|batch, lines| relayed.push((batch, lines)))?;
                     }
                     self.outgoing[from].ack = Some(round);
                 }
@@ -340,13 +332,7 @@ impl Node {
                         }
                     }
                 }
-                TAG_ANSWERS => {
-                    let mut answers = Vec::new();
-                    reader.entries(|batch, lines| answers.push((batch, lines)))?;
-                    for (batch, lines) in answers {
-                        self.answer(batch, lines);
-                    }
-                }
+                TAG_ANSWERS => reader.entries(|batch, lines| self.answer(batch, lines))?,
                 other => return Err(format!("unknown section tag {other}")),
             }
         }
