@@ -254,11 +254,29 @@ cluster_run() {
 # ratios' denominator; three and five: what that many processes sharing
 # this machine's cores cost per hit without any cluster work, the floor
 # under the five-node target's ratio).
+# loaded_run NAME NODES ADDRESS_OF PIDS...: loads NODES servers (node N's
+# client address printed by `ADDRESS_OF N`), a share of the connections
+# each, while measuring the processes PIDS.
+loaded_run() {
+  local name=$1 nodes=$2 address_of=$3 waits=() n
+  shift 3
+  measure "$name" "" "$@" &
+  waits+=($!)
+  for n in $(seq 1 "$nodes"); do
+    load "$name-node$n" "$("$address_of" "$n")" "$((CONNECTIONS / nodes))" &
+    waits+=($!)
+  done
+  # Not a bare wait: the servers are this shell's jobs too.
+  wait "${waits[@]}"
+  echo "$nodes" > "$OUT_DIR/$name.nodes"
+}
+single_client() { echo "127.0.0.1:$((BASE_PORT + $1 - 1))"; }
+
 single_nodes_run() {
-  local name=$1 nodes=$2 pids=() waits=() n
+  local name=$1 nodes=$2 pids=() n
   echo "$nodes single node(s), no cluster ($name)" >&2
   for n in $(seq 1 "$nodes"); do
-    "$TOLLGATE" serve --listen "127.0.0.1:$((BASE_PORT + n - 1))" "$RULES" > "$OUT_DIR/$name-$n.log" 2>&1 &
+    "$TOLLGATE" serve --listen "$(single_client "$n")" "$RULES" > "$OUT_DIR/$name-$n.log" 2>&1 &
     pids+=($!)
   done
   sleep 1
@@ -268,16 +286,8 @@ single_nodes_run() {
     kill -0 "${pids[n - 1]}" 2> /dev/null \
       || { echo "bench.sh: single node $n did not start: $(tail -1 "$OUT_DIR/$name-$n.log")" >&2; exit 1; }
   done
-  measure "$name" "" "${pids[@]}" &
-  waits+=($!)
-  for n in $(seq 1 "$nodes"); do
-    load "$name-node$n" "127.0.0.1:$((BASE_PORT + n - 1))" "$((CONNECTIONS / nodes))" &
-    waits+=($!)
-  done
-  # Not a bare wait: the servers are this shell's jobs too.
-  wait "${waits[@]}"
+  loaded_run "$name" "$nodes" single_client "${pids[@]}"
   kill "${pids[@]}"; wait "${pids[@]}" 2> /dev/null || true
-  echo "$nodes" > "$OUT_DIR/$name.nodes"
 }
 
 single_nodes_run single 1
@@ -306,18 +316,10 @@ floor_up() {
 floor_down() { kill "${FLOOR_PIDS[@]}"; wait "${FLOOR_PIDS[@]}" 2> /dev/null || true; }
 # floor_run NAME NODES: the mesh floor loaded as a cluster's nodes are.
 floor_run() {
-  local name=$1 nodes=$2 waits=() n
-  echo "$nodes mesh floor nodes ($name)" >&2
-  floor_up "$nodes"
-  measure "$name" "" "${FLOOR_PIDS[@]}" &
-  waits+=($!)
-  for n in $(seq 1 "$nodes"); do
-    load "$name-node$n" "$(floor_client "$n")" "$((CONNECTIONS / nodes))" &
-    waits+=($!)
-  done
-  wait "${waits[@]}"
+  echo "$2 mesh floor nodes ($1)" >&2
+  floor_up "$2"
+  loaded_run "$1" "$2" floor_client "${FLOOR_PIDS[@]}"
   floor_down
-  echo "$nodes" > "$OUT_DIR/$name.nodes"
 }
 floor_run floor-3 3
 floor_run floor-5 5
