@@ -191,13 +191,20 @@ struct SpillSlab<S> {
     spilled_free: Vec<u32>,
 }
 
+/// In this order, so that what every lookup and write touches (the table's
+/// header, the soonest expiry) lies in the first cache line of the stripe's
+/// cell, with the lock, and the slab's box (read only for spilled entries)
+/// in the second: a field in the second line cost each store operation a
+/// cache miss the stripe prefetch did not cover (docs/benchmarks.md,
+/// "Thirty-third round").
+#[repr(C)]
 struct Stripe<S: StoredState> {
     table: SlotTable<Slot<S::Packed>>,
-    spill: Box<SpillSlab<S>>,
     /// No entry expires before this (ms): lowered by every state written,
     /// set exactly by each sweep. A sweep skips the stripe until then, so
     /// a store of long-lived counters is not scanned for nothing.
     soonest_expiry_ms: u64,
+    spill: Box<SpillSlab<S>>,
 }
 
 impl<S: StoredState> Default for Stripe<S> {
@@ -239,11 +246,16 @@ impl<S: StoredState> StripeCell<S> {
 }
 
 /// Does `slot` hold `probe`'s key? Inline keys compare their 24-byte heads;
-/// a spilled entry compares its fingerprint first, then its key.
+/// a spilled entry compares its fingerprint first, then its key. The
+/// stripe's slab (out of line) is read only for a spilled slot whose
+/// fingerprint matches: reading it on every probe cost a cache miss per
+/// store operation once the slabs fell out of cache (docs/benchmarks.md,
+/// "Thirty-third round").
+#[inline(always)]
 fn slot_holds<S: StoredState>(
     slot: &Slot<S::Packed>,
     probe: &Probe<'_>,
-    spilled: &[Option<Spilled<S>>],
+    spill: &SpillSlab<S>,
 ) -> bool {
     if let Some(head) = probe.head {
         if slot.head_words() == head {
@@ -252,7 +264,8 @@ fn slot_holds<S: StoredState>(
     }
     slot.head[0] == SPILLED
         && slot.spill_hash() == probe.hash
-        && spilled
+        && spill
+            .spilled
             .get(slot.spill_index())
             .and_then(Option::as_ref)
             .is_some_and(|entry| probe.key.eq_bytes(&entry.key))
@@ -573,7 +586,7 @@ impl<S: StoredState> StripedStore<S> {
         let stripe = self.stripe_of(hash).stripe.lock();
         let slot = stripe
             .table
-            .find(hash, |slot| slot_holds(slot, probe, &stripe.spill.spilled))?;
+            .find(hash, |slot| slot_holds(slot, probe, &stripe.spill))?;
         stripe.state_of(slot).filter(|s| s.expires_at_ms() > now_ms)
     }
 
@@ -617,11 +630,12 @@ impl<S: StoredState> StripedStore<S> {
             spill,
             soonest_expiry_ms,
         } = stripe;
-        let SpillSlab {
-            spilled,
-            spilled_free,
-        } = &mut **spill;
-        if let Some(slot) = table.find_mut(hash, |slot| slot_holds(slot, probe, spilled)) {
+        if let Some(slot) = table.find_mut(hash, |slot| slot_holds(slot, probe, spill)) {
+            // The slab is reached through its box only for a spilled entry.
+            let SpillSlab {
+                spilled,
+                spilled_free,
+            } = &mut **spill;
             if slot.head[0] == SPILLED {
                 let Some(entry) = spilled.get_mut(slot.spill_index()).and_then(Option::as_mut)
                 else {
@@ -874,6 +888,28 @@ mod tests {
             let (d, new) = fixed_window_hit(s, quota, now_ms);
             (d.allowed, new)
         })
+    }
+
+    /// What every operation reads of a stripe (its lock, the table's
+    /// header, the soonest expiry) lies in the one cache line the stripe
+    /// prefetch fetches: the cell's first.
+    #[test]
+    fn a_stripes_hot_fields_share_the_cells_first_line() {
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let cell: &StripeCell<CounterState> = &store.stripes[0];
+        let base = std::ptr::from_ref(cell) as usize;
+        assert_eq!(base % 64, 0, "cells start on a line");
+        let stripe = cell.stripe.lock();
+        let end = |field: usize, size: usize| field + size - base;
+        let table = std::ptr::from_ref(&stripe.table) as usize;
+        let soonest = std::ptr::from_ref(&stripe.soonest_expiry_ms) as usize;
+        let spill = std::ptr::from_ref(&stripe.spill) as usize;
+        assert!(end(table, std::mem::size_of_val(&stripe.table)) <= 64);
+        assert!(end(soonest, 8) <= 64);
+        assert!(
+            spill - base >= 64,
+            "the cold slab box is in the second line"
+        );
     }
 
     #[test]
