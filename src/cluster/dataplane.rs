@@ -397,7 +397,7 @@ impl DataPlane {
         }
         let mut ended = Vec::new();
         self.in_flight.lock().disconnected(peer, &mut ended);
-        self.release(ended);
+        self.release(&mut ended);
     }
 
     /// Queues decided states for the next round and wakes the replicator.

@@ -19,8 +19,41 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Answers for slots of one read batch's board.
-type BoardAnswers = (Arc<SlotBoard>, Vec<(u32, WireDecision)>);
+/// The answers a release has gathered for one read batch's board (its
+/// waiters come together), filled in under one lock of the board.
+#[derive(Default)]
+struct BoardFill {
+    board: Option<Arc<SlotBoard>>,
+    answers: SmallVec<[(u32, WireDecision); 16]>,
+}
+
+impl BoardFill {
+    fn add(&mut self, board: Arc<SlotBoard>, slot: u32, answer: WireDecision) {
+        if !self.board.as_ref().is_some_and(|b| Arc::ptr_eq(b, &board)) {
+            self.flush();
+            self.board = Some(board);
+        }
+        self.answers.push((slot, answer));
+    }
+
+    fn flush(&mut self) {
+        if let Some(board) = self.board.take() {
+            board.fill_many(self.answers.drain(..));
+        }
+    }
+}
+
+/// What the replicator keeps from round to round: the lists a round is
+/// built in, emptied and reused (allocating them for every round cost
+/// about 1 % of a node's CPU at small rounds; docs/benchmarks.md,
+/// "Thirty-third round").
+#[derive(Default)]
+pub(super) struct RoundScratch {
+    records: Vec<SentSection>,
+    sends: Vec<PeerSends>,
+    round_answers: Vec<u8>,
+    ended: Vec<Ended>,
+}
 
 /// The answers one release sends a node that forwarded hits.
 struct RemoteAnswers {
@@ -44,9 +77,10 @@ type PeerSends = SmallVec<[(NodeId, Range<usize>); 4]>;
 const REMOTE_ANSWERS_BYTES_INITIAL: usize = 512;
 
 impl DataPlane {
-    /// Answers the waiters of sections that ended; in fast mode a section
-    /// that failed makes its leader confirm its leadership again.
-    pub fn release(&self, ended: Vec<Ended>) {
+    /// Answers the waiters of sections that ended (`ended` is left empty,
+    /// for the caller to reuse); in fast mode a section that failed makes
+    /// its leader confirm its leadership again.
+    pub fn release(&self, ended: &mut Vec<Ended>) {
         if ended.is_empty() {
             return;
         }
@@ -55,9 +89,12 @@ impl DataPlane {
         // linear search, starting from the last one found.
         let mut remote: SmallVec<[RemoteAnswers; 4]> = SmallVec::new();
         let mut last_remote = 0;
-        let mut local: Vec<BoardAnswers> = Vec::new();
+        let mut local = BoardFill::default();
+        // The sections' emptied waiter lists, given back to the round
+        // builder for new sections.
+        let mut emptied: SmallVec<[Vec<Waiter>; 16]> = SmallVec::new();
         let replicas = self.replicas();
-        for section in ended {
+        for mut section in ended.drain(..) {
             if let Some(replica) = replica_in(&replicas, section.shard) {
                 DataStats::add(&replica.stats.sections_ended, 1);
             }
@@ -83,7 +120,7 @@ impl DataPlane {
                     );
                 }
             }
-            for waiter in section.waiters {
+            for waiter in section.waiters.drain(..) {
                 match waiter {
                     Waiter::Local {
                         board,
@@ -91,13 +128,7 @@ impl DataPlane {
                         decision,
                     } => {
                         // Waiters of one read batch come together: one lock.
-                        let answer = (slot, section.end.answer(section.shard, decision));
-                        match local.last_mut() {
-                            Some((last, answers)) if Arc::ptr_eq(last, &board) => {
-                                answers.push(answer)
-                            }
-                            _ => local.push((board, vec![answer])),
-                        }
+                        local.add(board, slot, section.end.answer(section.shard, decision));
                     }
                     Waiter::Remote {
                         peer,
@@ -136,9 +167,13 @@ impl DataPlane {
                     }
                 }
             }
+            if emptied.len() < emptied.inline_size() {
+                emptied.push(section.waiters);
+            }
         }
-        for (board, answers) in local {
-            board.fill_many(answers);
+        local.flush();
+        if !emptied.is_empty() {
+            self.round.lock().give_waiters(emptied);
         }
         for mut answers in remote {
             end_counted(&mut answers.bytes, answers.at, answers.count);
@@ -163,14 +198,19 @@ impl DataPlane {
 
     /// Closes the open round and sends it: one section per shard to each
     /// of the shard's other replicas.
-    fn send_round(&self) {
+    fn send_round(&self, scratch: &mut RoundScratch) {
         let mut sections = self.round.lock().take();
         if sections.is_empty() {
             return;
         }
         let stamped_ms = self.clock.now_ms();
         let mut states = 0u64;
-        let mut records = Vec::with_capacity(sections.len());
+        let RoundScratch {
+            records,
+            sends,
+            round_answers,
+            ended,
+        } = scratch;
         // The round's peers, each looked up once, with its outbox if its
         // link is up (a round reaches a few peers in many sections).
         let mut links: SmallVec<[(NodeId, Option<Arc<PeerOut>>); 4]> = SmallVec::new();
@@ -239,7 +279,6 @@ impl DataPlane {
             }
             disk.write_pending();
         }
-        let mut ended = Vec::new();
         let mut touched: SmallVec<[&PeerOut; 4]> = SmallVec::new();
         {
             // Record before appending: no ack can precede its round.
@@ -248,32 +287,25 @@ impl DataPlane {
             // Per section, its peers, and where the answers each one gets
             // with it (a ROUND_ANSWERS section, if any) lie in
             // `round_answers`.
-            let mut round_answers = Vec::new();
-            let sends: Vec<PeerSends> = records
-                .iter()
-                .map(|r| {
-                    r.sent_to
-                        .iter()
-                        .map(|&peer| {
-                            let at = round_answers.len();
-                            if let Some(answered) = r.with_round.iter().find(|a| a.peer == peer) {
-                                self.put_round_answers(
-                                    &mut round_answers,
-                                    round,
-                                    r.shard,
-                                    answered,
-                                );
-                            }
-                            if r.relay == Some(peer) {
-                                put_relay_answers(&mut round_answers, round, r.shard, &r.waiters);
-                            }
-                            (peer, at..round_answers.len())
-                        })
-                        .collect()
-                })
-                .collect();
+            round_answers.clear();
+            sends.clear();
+            sends.extend(records.iter().map(|r| {
+                r.sent_to
+                    .iter()
+                    .map(|&peer| {
+                        let at = round_answers.len();
+                        if let Some(answered) = r.with_round.iter().find(|a| a.peer == peer) {
+                            self.put_round_answers(round_answers, round, r.shard, answered);
+                        }
+                        if r.relay == Some(peer) {
+                            put_relay_answers(round_answers, round, r.shard, &r.waiters);
+                        }
+                        (peer, at..round_answers.len())
+                    })
+                    .collect::<PeerSends>()
+            }));
             DataStats::add(&self.stats.round_sections, records.len() as u64);
-            flight.record(Instant::now(), records, &mut ended);
+            flight.record(Instant::now(), records.drain(..), ended);
             drop(flight);
             // Each peer's sections in one append; a peer whose outbox is
             // full does not get the round, and must not count as holding it.
@@ -305,7 +337,7 @@ impl DataPlane {
                 let mut flight = self.in_flight.lock();
                 for peer in unsent {
                     tracing::debug!(peer, round, "round not queued: the peer's outbox is full");
-                    flight.not_sent(round, peer, &mut ended);
+                    flight.not_sent(round, peer, ended);
                 }
             }
         }
@@ -344,6 +376,7 @@ impl DataPlane {
         let commit_timeout = Duration::from_millis(self.settings.commit_timeout_ms.max(1));
         let interval = Duration::from_millis(self.settings.replication_interval_ms.max(1));
         let mut last_forward_sweep = Instant::now();
+        let mut scratch = RoundScratch::default();
         loop {
             let now = Instant::now();
             let mut wake_at: Option<Instant> = None;
@@ -369,12 +402,12 @@ impl DataPlane {
                 // forwarded hits) add their states first: one round, one
                 // frame per peer, carries them all.
                 super::cadence::behind_woken_tasks().await;
-                self.send_round();
+                self.send_round(&mut scratch);
             }
-            let mut ended = Vec::new();
+            let ended = &mut scratch.ended;
             let oldest = {
                 let mut flight = self.in_flight.lock();
-                flight.expire(now, commit_timeout, &mut ended);
+                flight.expire(now, commit_timeout, ended);
                 flight.oldest()
             };
             self.release(ended);

@@ -122,7 +122,18 @@ pub struct RoundBuilder {
     pub opened_at: Option<Instant>,
     /// Emptied sections kept for their buffers' capacity.
     spare: Vec<PendingSection>,
+    /// The list of the round taken last, emptied, for the next round.
+    spare_list: Vec<PendingSection>,
+    /// Emptied waiter lists given back once their section ended
+    /// ([`RoundBuilder::give_waiters`]), for new sections: a section's
+    /// list leaves with it, so without these every round allocated anew.
+    waiter_spares: Vec<Vec<Waiter>>,
 }
+
+/// Most emptied lists of each kind the rounds keep for reuse, and the
+/// largest capacity a kept one may have (a burst's are not kept for ever).
+const SPARES_KEPT_MAX: usize = 64;
+const SPARE_CAPACITY_MAX: usize = 4096;
 
 impl RoundBuilder {
     pub fn is_empty(&self) -> bool {
@@ -176,6 +187,11 @@ impl RoundBuilder {
         });
         section.shard = shard;
         section.term = term;
+        if section.waiters.capacity() == 0 {
+            if let Some(waiters) = self.waiter_spares.pop() {
+                section.waiters = waiters;
+            }
+        }
         self.sections.push(section);
         let index = self.sections.len() - 1;
         self.by_shard[slot] = index as u32;
@@ -191,19 +207,37 @@ impl RoundBuilder {
         }
         self.states = 0;
         self.opened_at = None;
-        std::mem::take(&mut self.sections)
+        let next = std::mem::take(&mut self.spare_list);
+        std::mem::replace(&mut self.sections, next)
     }
 
-    /// Gives emptied sections back for their buffers.
-    pub fn recycle(&mut self, sections: impl IntoIterator<Item = PendingSection>) {
-        for mut section in sections {
-            if self.spare.len() >= 64 || section.bytes.capacity() > 1 << 20 {
+    /// Gives a taken round's sections back for their buffers, and its list.
+    pub fn recycle(&mut self, mut sections: Vec<PendingSection>) {
+        for mut section in sections.drain(..) {
+            if self.spare.len() >= SPARES_KEPT_MAX || section.bytes.capacity() > 1 << 20 {
                 continue;
             }
             section.bytes.clear();
             section.waiters.clear();
             section.count = 0;
             self.spare.push(section);
+        }
+        if sections.capacity() <= SPARE_CAPACITY_MAX {
+            self.spare_list = sections;
+        }
+    }
+
+    /// Gives back waiter lists emptied after their section ended.
+    pub fn give_waiters(&mut self, lists: impl IntoIterator<Item = Vec<Waiter>>) {
+        for mut waiters in lists {
+            if self.waiter_spares.len() >= SPARES_KEPT_MAX {
+                return;
+            }
+            if waiters.capacity() == 0 || waiters.capacity() > SPARE_CAPACITY_MAX {
+                continue;
+            }
+            waiters.clear();
+            self.waiter_spares.push(waiters);
         }
     }
 
@@ -329,6 +363,8 @@ pub struct InFlight {
     first_round: u64,
     rounds: VecDeque<RoundRecord>,
     acked_upto: HashMap<NodeId, u64>,
+    /// Section lists of finished rounds, emptied, for the next rounds.
+    spare_sections: Vec<Vec<SectionRecord>>,
 }
 
 impl InFlight {
@@ -339,6 +375,7 @@ impl InFlight {
             first_round: 1,
             rounds: VecDeque::new(),
             acked_upto: HashMap::new(),
+            spare_sections: Vec::new(),
         }
     }
 
@@ -354,28 +391,32 @@ impl InFlight {
 
     /// Records round [`InFlight::next_round`] as sent; sections that need no
     /// other replica (a shard replicated here alone) end at once.
-    pub fn record(&mut self, sent_at: Instant, sections: Vec<SentSection>, ended: &mut Vec<Ended>) {
+    pub fn record(
+        &mut self,
+        sent_at: Instant,
+        sections: impl IntoIterator<Item = SentSection>,
+        ended: &mut Vec<Ended>,
+    ) {
         let round = self.next_round;
         self.next_round += 1;
+        let mut records = self.spare_sections.pop().unwrap_or_default();
+        records.extend(sections.into_iter().map(|s| SectionRecord {
+            shard: s.shard,
+            term: s.term,
+            config: s.config,
+            sent_to: s.sent_to,
+            holders: SmallVec::new(),
+            refusers: SmallVec::new(),
+            fenced_by: 0,
+            waiters: s.waiters,
+            with_round: s.with_round,
+            relay: s.relay,
+            ended_as: None,
+        }));
         let mut record = RoundRecord {
             sent_at,
-            open: sections.len(),
-            sections: sections
-                .into_iter()
-                .map(|s| SectionRecord {
-                    shard: s.shard,
-                    term: s.term,
-                    config: s.config,
-                    sent_to: s.sent_to,
-                    holders: SmallVec::new(),
-                    refusers: SmallVec::new(),
-                    fenced_by: 0,
-                    waiters: s.waiters,
-                    with_round: s.with_round,
-                    relay: s.relay,
-                    ended_as: None,
-                })
-                .collect(),
+            open: records.len(),
+            sections: records,
         };
         for section in &mut record.sections {
             if let Some(end) = Self::settle(self.me, section) {
@@ -473,7 +514,15 @@ impl InFlight {
 
     fn pop_done(&mut self) {
         while self.rounds.front().is_some_and(RoundRecord::finished) {
-            self.rounds.pop_front();
+            if let Some(done) = self.rounds.pop_front() {
+                let mut sections = done.sections;
+                if self.spare_sections.len() < SPARES_KEPT_MAX
+                    && sections.capacity() <= SPARE_CAPACITY_MAX
+                {
+                    sections.clear();
+                    self.spare_sections.push(sections);
+                }
+            }
             self.first_round += 1;
         }
         if self.rounds.is_empty() {

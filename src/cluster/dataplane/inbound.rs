@@ -15,7 +15,7 @@ use crate::cluster::data_frames::{
 use crate::cluster::outbox::PeerOut;
 use crate::cluster::peer_protocol::BATCH_ANSWERS_MINOR;
 use crate::cluster::replica::LocalDecision;
-use crate::cluster::rounds::Waiter;
+use crate::cluster::rounds::{Ended, Waiter};
 use crate::cluster::wire::{ApplyRefusal, ShardRefusal, WireDecision};
 use crate::cluster::NodeId;
 use crate::limiter::CounterState;
@@ -53,6 +53,8 @@ struct FrameScratch {
     /// the frame, and the state (fast mode's sections carry about a
     /// hundred, which a list on the stack held by allocating).
     round_states: Vec<(usize, usize, CounterState)>,
+    /// Sections the frame's acks ended, for their waiters to be answered.
+    ended: Vec<Ended>,
 }
 
 impl FrameScratch {
@@ -66,7 +68,8 @@ impl FrameScratch {
             + self.decided.capacity() * size_of::<(usize, usize, DecidedState)>()
             + (self.answered.capacity() + self.answered_with_rounds.capacity())
                 * size_of::<(u64, u32, WireDecision)>()
-            + self.round_states.capacity() * size_of::<(usize, usize, CounterState)>();
+            + self.round_states.capacity() * size_of::<(usize, usize, CounterState)>()
+            + self.ended.capacity() * size_of::<Ended>();
         if kept > FRAME_SCRATCH_KEPT_BYTES_MAX {
             *self = FrameScratch::default();
             return;
@@ -77,6 +80,7 @@ impl FrameScratch {
         self.answered.clear();
         self.answered_with_rounds.clear();
         self.round_states.clear();
+        self.ended.clear();
     }
 }
 
@@ -126,6 +130,7 @@ impl DataPlane {
             answered,
             answered_with_rounds,
             round_states,
+            ended,
         } = &mut scratch;
         // Answers go back a section per batch to a peer that reads them so
         // (peer protocol 2.2), else in one `ANSWERS` section for the frame.
@@ -138,7 +143,6 @@ impl DataPlane {
         // The batch-answers section being written, if a batch's reading
         // stopped inside it (a malformed frame): dropped unfinished.
         let mut open_batch: Option<BatchAnswersWriter> = None;
-        let mut ended = Vec::new();
         // The round section just read, `(round, shard)`, if it was applied.
         let mut applied: Option<(u64, u32)> = None;
         // What this frame's round sections tell their leader: the highest
@@ -244,7 +248,7 @@ impl DataPlane {
                         if ack.boot == self.boot {
                             self.in_flight
                                 .lock()
-                                .ack(from, ack.upto, &ack.refused, &mut ended);
+                                .ack(from, ack.upto, &ack.refused, ended);
                         }
                     }
                     tag::BEAT => {}
