@@ -130,10 +130,16 @@ pub struct RoundBuilder {
     waiter_spares: Vec<Vec<Waiter>>,
 }
 
-/// Most emptied lists of each kind the rounds keep for reuse, and the
-/// largest capacity a kept one may have (a burst's are not kept for ever).
-const SPARES_KEPT_MAX: usize = 64;
-const SPARE_CAPACITY_MAX: usize = 4096;
+/// Most emptied sections the round builder keeps for their buffers.
+const SPARE_SECTIONS_MAX: usize = 64;
+/// Most emptied waiter lists kept, and the most waiters a kept one may
+/// have room for (a strict section holds a few: a burst's are not kept).
+const SPARE_WAITER_LISTS_MAX: usize = 64;
+const SPARE_WAITERS_CAPACITY_MAX: usize = 256;
+/// Most emptied lists of a round's sections kept (rounds in flight at
+/// once are few), and the most sections a kept one may have room for.
+const SPARE_SECTION_LISTS_MAX: usize = 8;
+const SPARE_SECTION_LIST_CAPACITY_MAX: usize = 1024;
 
 impl RoundBuilder {
     pub fn is_empty(&self) -> bool {
@@ -214,7 +220,7 @@ impl RoundBuilder {
     /// Gives a taken round's sections back for their buffers, and its list.
     pub fn recycle(&mut self, mut sections: Vec<PendingSection>) {
         for mut section in sections.drain(..) {
-            if self.spare.len() >= SPARES_KEPT_MAX || section.bytes.capacity() > 1 << 20 {
+            if self.spare.len() >= SPARE_SECTIONS_MAX || section.bytes.capacity() > 1 << 20 {
                 continue;
             }
             section.bytes.clear();
@@ -222,7 +228,7 @@ impl RoundBuilder {
             section.count = 0;
             self.spare.push(section);
         }
-        if sections.capacity() <= SPARE_CAPACITY_MAX {
+        if sections.capacity() <= SPARE_SECTION_LIST_CAPACITY_MAX {
             self.spare_list = sections;
         }
     }
@@ -230,10 +236,10 @@ impl RoundBuilder {
     /// Gives back waiter lists emptied after their section ended.
     pub fn give_waiters(&mut self, lists: impl IntoIterator<Item = Vec<Waiter>>) {
         for mut waiters in lists {
-            if self.waiter_spares.len() >= SPARES_KEPT_MAX {
+            if self.waiter_spares.len() >= SPARE_WAITER_LISTS_MAX {
                 return;
             }
-            if waiters.capacity() == 0 || waiters.capacity() > SPARE_CAPACITY_MAX {
+            if waiters.capacity() == 0 || waiters.capacity() > SPARE_WAITERS_CAPACITY_MAX {
                 continue;
             }
             waiters.clear();
@@ -516,8 +522,8 @@ impl InFlight {
         while self.rounds.front().is_some_and(RoundRecord::finished) {
             if let Some(done) = self.rounds.pop_front() {
                 let mut sections = done.sections;
-                if self.spare_sections.len() < SPARES_KEPT_MAX
-                    && sections.capacity() <= SPARE_CAPACITY_MAX
+                if self.spare_sections.len() < SPARE_SECTION_LISTS_MAX
+                    && sections.capacity() <= SPARE_SECTION_LIST_CAPACITY_MAX
                 {
                     sections.clear();
                     self.spare_sections.push(sections);

@@ -372,6 +372,61 @@ fn the_builder_groups_states_by_shard_and_term() {
     assert_eq!(builder.take()[0].count, 1);
 }
 
+/// Waiter lists given back after their sections ended are reused by new
+/// sections, and only as many as the builder keeps, none too large.
+#[test]
+fn the_builder_reuses_waiter_lists_within_its_bounds() {
+    let mut builder = RoundBuilder::default();
+    let now = Instant::now();
+    let state = CounterState::Window {
+        end_ms: 10,
+        used: 1,
+    };
+    let given: Vec<Vec<Waiter>> = (0..SPARE_WAITER_LISTS_MAX + 5)
+        .map(|_| Vec::with_capacity(8))
+        .chain([
+            Vec::with_capacity(SPARE_WAITERS_CAPACITY_MAX + 1),
+            Vec::new(),
+        ])
+        .collect();
+    builder.give_waiters(given);
+    assert_eq!(builder.waiter_spares.len(), SPARE_WAITER_LISTS_MAX);
+    builder.push(3, 5, b"a", &state, None, now);
+    let sections = builder.take();
+    assert_eq!(
+        sections[0].waiters.capacity(),
+        8,
+        "a kept list, not a new one"
+    );
+    assert_eq!(builder.waiter_spares.len(), SPARE_WAITER_LISTS_MAX - 1);
+    // Oversized and empty lists are not kept.
+    let mut builder = RoundBuilder::default();
+    builder.give_waiters([
+        Vec::with_capacity(SPARE_WAITERS_CAPACITY_MAX + 1),
+        Vec::new(),
+    ]);
+    assert!(builder.waiter_spares.is_empty());
+}
+
+/// Finished rounds' section lists are kept for the next rounds, a few.
+#[test]
+fn finished_rounds_give_their_section_lists_back() {
+    let mut flight = InFlight::new(1);
+    let mut ended = Vec::new();
+    for shard in 0..(SPARE_SECTION_LISTS_MAX as u32 + 3) {
+        // Replicated here alone: the round ends and is finished at once.
+        flight.record(Instant::now(), [section(shard, &[1], &[])], &mut ended);
+    }
+    assert!(flight.is_empty());
+    assert_eq!(ended.len(), SPARE_SECTION_LISTS_MAX + 3);
+    assert_eq!(
+        flight.spare_sections.len(),
+        1,
+        "each round reuses the last's list"
+    );
+    assert!(flight.spare_sections[0].capacity() >= 1);
+}
+
 /// A section of shard 0 (voters 1, 2, 3) sent to 2 and 3 at `sent_at`,
 /// with a hit of node 9 (no replica) whose answers node 2 relays.
 fn relayed_by_2(sent_at: Instant) -> (InFlight, Vec<Ended>) {
