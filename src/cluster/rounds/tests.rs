@@ -346,14 +346,18 @@ fn old_sections_time_out_and_joint_configs_need_both_majorities() {
     assert!(flight.is_empty());
 }
 
-#[test]
-fn the_builder_groups_states_by_shard_and_term() {
-    let mut builder = RoundBuilder::default();
-    let now = Instant::now();
+/// An empty round builder, the time, and a state to push.
+fn builder_now_and_state() -> (RoundBuilder, Instant, CounterState) {
     let state = CounterState::Window {
         end_ms: 10,
         used: 1,
     };
+    (RoundBuilder::default(), Instant::now(), state)
+}
+
+#[test]
+fn the_builder_groups_states_by_shard_and_term() {
+    let (mut builder, now, state) = builder_now_and_state();
     builder.push(3, 5, b"a", &state, None, now);
     builder.push(1, 5, b"b", &state, None, now);
     builder.push(3, 5, b"c", &state, None, now);
@@ -376,12 +380,7 @@ fn the_builder_groups_states_by_shard_and_term() {
 /// sections, and only as many as the builder keeps, none too large.
 #[test]
 fn the_builder_reuses_waiter_lists_within_its_bounds() {
-    let mut builder = RoundBuilder::default();
-    let now = Instant::now();
-    let state = CounterState::Window {
-        end_ms: 10,
-        used: 1,
-    };
+    let (mut builder, now, state) = builder_now_and_state();
     let given: Vec<Vec<Waiter>> = (0..SPARE_WAITER_LISTS_MAX + 5)
         .map(|_| Vec::with_capacity(8))
         .chain([
