@@ -31,6 +31,7 @@ use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+use tollgate::stable_hash::stable_hash;
 
 /// The followers of each owner's rounds: a three-replica shard's other two.
 const FOLLOWERS: usize = 2;
@@ -167,13 +168,10 @@ struct Node {
     scratch: Vec<u8>,
 }
 
+/// The node that owns `line`: any even spread will do, and every node
+/// must agree, so the project's process-independent hash.
 fn owner_of(line: &[u8], nodes: usize) -> usize {
-    // FNV-1a: any even spread will do.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &byte in line {
-        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-    }
-    (hash % nodes as u64) as usize
+    (stable_hash(0, line) % nodes as u64) as usize
 }
 
 fn followers_of(owner: usize, nodes: usize) -> impl Iterator<Item = usize> {
