@@ -65,6 +65,13 @@ pub mod tag {
     /// varint, (batch, index, decision)*`. Peer protocol 2.4
     /// (`peer_protocol::RELAY_ANSWERS_MINOR`).
     pub const RELAY_ANSWERS: u8 = 8;
+    /// No fields: the leader waits on the ROUND section that follows (its
+    /// own clients' hits, or answers no follower carries on), so the
+    /// receiver acknowledges the frame at once. Without it, a receiver
+    /// talking peer protocol 2.5 or later acknowledges with its next frame
+    /// to the leader or its link's next beat. Peer protocol 2.5
+    /// (`peer_protocol::ACK_ON_ASK_MINOR`).
+    pub const ACK_NOW: u8 = 9;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

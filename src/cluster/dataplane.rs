@@ -54,6 +54,10 @@ pub struct DataSettings {
     pub batch_ops_max: usize,
     /// A peer silent for this long counts as down.
     pub liveness_timeout_ms: u64,
+    /// How often a link with nothing else to send beats
+    /// (`--raft-heartbeat-ms`): the longest a follower holds an ack its
+    /// leader did not ask for (`tag::ACK_NOW`).
+    pub beat_ms: u64,
     /// Most credits of a quota lease this node grants, as a shard's
     /// leader, beside a forwarded hit (`forward/leases.rs`); 0: none, and
     /// this node asks for none.

@@ -729,6 +729,8 @@ async fn hand_over_steps(
     let shard = replica.shard;
     let settle = Duration::from_millis(node.dp.settings.commit_timeout_ms * 2 + 500);
     let deadline = Instant::now() + settle;
+    // Followers may hold the acks of rounds this node did not wait on.
+    node.dp.ask_acks(shard);
     while node.dp.replicating(shard) {
         if Instant::now() >= deadline {
             return Err("decided hits did not commit in time".into());

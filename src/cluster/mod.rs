@@ -675,6 +675,7 @@ pub fn start(
             replication_interval_ms: args.replication_interval_ms.max(1),
             batch_ops_max: args.batch_ops_max.max(1),
             liveness_timeout_ms: args.raft_election_timeout_ms.max(3) * 2,
+            beat_ms: args.raft_heartbeat_ms.max(1),
             lease_credits_max: args
                 .lease_credits_max
                 .unwrap_or(default_lease_credits_max(args.consistency)),

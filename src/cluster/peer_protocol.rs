@@ -16,10 +16,10 @@ use std::sync::OnceLock;
 /// and hellos that carry the committed rule set's version, which no node of
 /// major 1 can read. 2.1 added [`ROUND_ANSWERS_MINOR`], 2.2
 /// [`BATCH_ANSWERS_MINOR`], 2.3 [`LEASES_MINOR`], 2.4
-/// [`RELAY_ANSWERS_MINOR`].
+/// [`RELAY_ANSWERS_MINOR`], 2.5 [`ACK_ON_ASK_MINOR`].
 pub const PROTOCOL: Protocol = Protocol {
     major: 2,
-    minor: 4,
+    minor: 5,
     oldest_minor: 0,
 };
 
@@ -46,6 +46,15 @@ pub const LEASES_MINOR: u8 = 3;
 /// answers; not forward, round, ack, answers). Only the follower needs it:
 /// what it sends on is an ordinary `ANSWERS` section.
 pub const RELAY_ANSWERS_MINOR: u8 = 4;
+/// The minor from which a follower acknowledges a round at once only when
+/// the leader asks for it (`data_frames::tag::ACK_NOW` before a section:
+/// the leader's own clients wait on it, or answers no follower carries on);
+/// other acks go with its next frame to the leader or its link's next beat.
+/// Most rounds of a three-node cluster need no ack soon (their forwarded
+/// hits were answered with the round): a frame that carried only an ack
+/// was 12 % of peer writes in an open-loop run (docs/benchmarks.md,
+/// "Thirty-third round").
+pub const ACK_ON_ASK_MINOR: u8 = 5;
 /// Test-only: `MAJOR.MINOR` or `MAJOR.MINOR:OLDEST_MINOR`, a peer protocol
 /// this node advertises instead of [`PROTOCOL`] (docs/cluster.md, "Rolling
 /// upgrade", says how tests use it). Not for production: the node's frames

@@ -9,7 +9,7 @@ use super::data_frames::{begin_counted, end_counted, put_decision, put_varint, t
 use super::dataplane::{replica_in, DataPlane, DataStats};
 use super::forward::SlotBoard;
 use super::outbox::PeerOut;
-use super::peer_protocol::{RELAY_ANSWERS_MINOR, ROUND_ANSWERS_MINOR};
+use super::peer_protocol::{ACK_ON_ASK_MINOR, RELAY_ANSWERS_MINOR, ROUND_ANSWERS_MINOR};
 use super::rounds::{Ended, RoundAnswered, SectionEnd, SentSection, Waiter};
 use super::wire::WireDecision;
 use super::NodeId;
@@ -52,7 +52,20 @@ pub(super) struct RoundScratch {
     records: Vec<SentSection>,
     sends: Vec<PeerSends>,
     round_answers: Vec<u8>,
+    /// Per section: does the leader wait on its acks (see [`acks_awaited`])?
+    acks_awaited: Vec<bool>,
     ended: Vec<Ended>,
+}
+
+/// Does a leader wait on a follower's ack of a section whose waiters
+/// (after those answered with the round were taken out) are `waiters`,
+/// relayed by `relay` if any? For its own clients' hits, and for forwarded
+/// hits whose answers no follower carries: the section's commit answers
+/// them. Hits answered with the round or relayed are not waited on.
+fn acks_awaited(waiters: &[Waiter], relay: Option<NodeId>) -> bool {
+    waiters
+        .iter()
+        .any(|w| matches!(w, Waiter::Local { .. }) || relay.is_none())
 }
 
 /// The answers one release sends a node that forwarded hits.
@@ -72,6 +85,11 @@ struct RemoteAnswers {
 /// A round section's peers, each with where the answers it gets with the
 /// section lie in the round's answer bytes (empty: none).
 type PeerSends = SmallVec<[(NodeId, Range<usize>); 4]>;
+
+/// A leader lets followers hold the acks it does not wait on (until their
+/// next frame to it, or their next beat) only when its commit timeout is at
+/// least this many beats: else a held ack could time its section out.
+const LAZY_ACK_TIMEOUT_BEATS: u64 = 4;
 
 /// Room for a release's answers to one node when its first is added.
 const REMOTE_ANSWERS_BYTES_INITIAL: usize = 512;
@@ -196,6 +214,27 @@ impl DataPlane {
         self.round.lock().holds(shard) || self.in_flight.lock().holds(shard)
     }
 
+    /// Asks the followers of `shard` that may hold their acks (peer protocol
+    /// 2.5) to send them now: a bare `ACK_NOW`, so that a handover's wait
+    /// for its last rounds to commit does not last until their next beat.
+    pub fn ask_acks(&self, shard: u32) {
+        let replicas = self.replicas();
+        let Some(replica) = replica_in(&replicas, shard) else {
+            return;
+        };
+        for &peer in &replica.config().targets {
+            let Some(out) = self.existing_out(peer) else {
+                continue;
+            };
+            if out.connected()
+                && out.speaks_minor(ACK_ON_ASK_MINOR)
+                && out.append(|body| body.push(tag::ACK_NOW)).is_some()
+            {
+                out.wake.notify_one();
+            }
+        }
+    }
+
     /// Closes the open round and sends it: one section per shard to each
     /// of the shard's other replicas.
     fn send_round(&self, scratch: &mut RoundScratch) {
@@ -209,8 +248,13 @@ impl DataPlane {
             records,
             sends,
             round_answers,
+            acks_awaited: awaited,
             ended,
         } = scratch;
+        // A follower may hold an ack the leader does not wait on for up to
+        // its beat: only while that is well within the commit timeout.
+        let lazy_acks =
+            self.settings.commit_timeout_ms >= LAZY_ACK_TIMEOUT_BEATS * self.settings.beat_ms;
         // The round's peers, each looked up once, with its outbox if its
         // link is up (a round reaches a few peers in many sections).
         let mut links: SmallVec<[(NodeId, Option<Arc<PeerOut>>); 4]> = SmallVec::new();
@@ -304,6 +348,12 @@ impl DataPlane {
                     })
                     .collect::<PeerSends>()
             }));
+            awaited.clear();
+            awaited.extend(
+                records
+                    .iter()
+                    .map(|r| !lazy_acks || acks_awaited(&r.waiters, r.relay)),
+            );
             DataStats::add(&self.stats.round_sections, records.len() as u64);
             flight.record(Instant::now(), records.drain(..), ended);
             drop(flight);
@@ -312,11 +362,16 @@ impl DataPlane {
             let mut unsent: SmallVec<[NodeId; 4]> = SmallVec::new();
             for (peer, out) in &links {
                 let Some(out) = out else { continue };
+                let asks = out.speaks_minor(ACK_ON_ASK_MINOR);
                 let appended = out.append(|body| {
-                    for (peers, section) in sends.iter().zip(&sections) {
+                    let sections = sends.iter().zip(&sections).zip(awaited.iter());
+                    for ((peers, section), &awaited) in sections {
                         let Some((_, answers)) = peers.iter().find(|(p, _)| p == peer) else {
                             continue;
                         };
+                        if awaited && asks {
+                            body.push(tag::ACK_NOW);
+                        }
                         body.push(tag::ROUND);
                         put_varint(body, round);
                         put_varint(body, stamped_ms);
@@ -486,5 +541,45 @@ fn put_relay_answers(out: &mut Vec<u8>, round: u64, shard: u32, waiters: &[Waite
                 |w| matches!(w, Waiter::Remote { peer, boot: b, .. } if (*peer, *b) == (to, boot)),
             ),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::Decision;
+
+    const OK: Decision = Decision {
+        allowed: true,
+        credit: 1,
+        next_reset_seconds: 60,
+    };
+
+    fn forwarded_by(peer: NodeId) -> Waiter {
+        Waiter::Remote {
+            peer,
+            boot: 1,
+            batch: 1,
+            index: 0,
+            decision: OK.into(),
+            lease: 0,
+        }
+    }
+
+    #[test]
+    fn a_leader_asks_for_acks_at_once_only_for_the_hits_it_answers_on_commit() {
+        // Nothing left to answer (every forwarded hit rode with the round).
+        assert!(!acks_awaited(&[], None));
+        // Forwarded hits whose answers a follower relays: not waited on.
+        assert!(!acks_awaited(&[forwarded_by(4)], Some(3)));
+        // Forwarded hits the leader answers once the section commits.
+        assert!(acks_awaited(&[forwarded_by(4)], None));
+        // Its own clients' hits, relay or not.
+        let local = Waiter::Local {
+            board: Arc::new(SlotBoard::empty()),
+            slot: 0,
+            decision: OK.into(),
+        };
+        assert!(acks_awaited(&[forwarded_by(4), local], Some(3)));
     }
 }

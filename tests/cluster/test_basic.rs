@@ -1,6 +1,7 @@
 //! Three real nodes on loopback: any node answers as a single node would,
 //! `tollgate cluster status` shows the cluster, nodes with different rules
-//! refuse each other, and many clients on all nodes never over-admit.
+//! refuse each other, many clients on all nodes never over-admit, and a
+//! round its leader does not wait on still commits by the followers' beats.
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
@@ -328,4 +329,79 @@ fn a_forwarding_node_answers_a_denied_counter_itself_until_its_window_resets() {
         );
         assert_eq!(forwarded(&cluster) - before, 5, "{mode}");
     }
+}
+
+/// A leader asks its followers to acknowledge at once only the rounds it
+/// waits on (`tag::ACK_NOW`, peer protocol 2.5); hits a follower forwarded
+/// are answered with the round, so their sections wait on no one, and the
+/// followers' acks go with their next frame to the leader or their next
+/// beat. With nothing else flowing those acks ride the beats: every such
+/// section still commits, and none times out.
+#[test]
+fn sections_their_leader_does_not_wait_on_commit_by_the_followers_next_beats() {
+    // Beats far apart, and a commit timeout that lets acks wait for them
+    // (lazy acks need at least four beats).
+    let cluster = TestCluster::start(
+        3,
+        4,
+        &[
+            "--raft-heartbeat-ms",
+            "400",
+            "--raft-election-timeout-ms",
+            "2000",
+            "--commit-timeout-ms",
+            "8000",
+        ],
+    );
+    let topology = cluster.wait_leaders_stable(Duration::from_secs(2), Duration::from_secs(60));
+    let leader = topology
+        .placement
+        .iter()
+        .filter_map(|s| s.leader)
+        .next()
+        .expect("a leader");
+    let via = [1, 2, 3].into_iter().find(|&id| id != leader).unwrap();
+    let stats = |cluster: &TestCluster| {
+        let topology = cluster.topology().expect("status");
+        let node = topology.nodes.iter().find(|n| n.id == leader).unwrap();
+        node.stats.clone().expect("the leader's stats")
+    };
+    let before = stats(&cluster);
+    let users = users_led_by(&topology, 4, leader, "unasked", 24);
+    let lines: Vec<String> = users
+        .iter()
+        .map(|u| format!("HIT path=/big user={u}"))
+        .collect();
+    let mut conn = Conn::open(cluster.client(via)).unwrap();
+    let answers = conn.pipeline(&lines);
+    for (user, answer) in users.iter().zip(&answers) {
+        assert_eq!(
+            parse_ok(answer).map(|(allowed, credit, _)| (allowed, credit)),
+            Some((true, 999_999)),
+            "{user} through node {via}: {answer}"
+        );
+    }
+    // Every section the leader sent ends, committed, within a few beats
+    // (bounded far below here for a loaded machine; the commit timeout
+    // is 8 s, so a section whose acks never came would count as failed).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let after = loop {
+        let now = stats(&cluster);
+        let ended = now.sections_committed + now.sections_failed;
+        if ended - (before.sections_committed + before.sections_failed)
+            >= now.round_sections - before.round_sections
+        {
+            break now;
+        }
+        assert!(Instant::now() < deadline, "sections still open: {now:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        after.round_sections > before.round_sections,
+        "the hits went out in rounds: {after:?}"
+    );
+    assert_eq!(
+        after.sections_failed, before.sections_failed,
+        "no section timed out waiting for an unasked ack: {after:?}"
+    );
 }

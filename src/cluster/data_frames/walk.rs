@@ -64,7 +64,7 @@ pub fn walk_keys(body: &[u8], mut visit: impl FnMut(&[u8]) -> bool) -> Result<u3
             tag::ACK => {
                 Ack::read(&mut reader)?;
             }
-            tag::BEAT => {}
+            tag::BEAT | tag::ACK_NOW => {}
             other => return Err(FrameError::UnknownTag(other)),
         }
         sections += 1;
@@ -136,7 +136,7 @@ impl<'a> Skim<'a> {
                         self.refusal_of_apply()?;
                     }
                 }
-                tag::BEAT => {}
+                tag::BEAT | tag::ACK_NOW => {}
                 _ => return None,
             }
         }

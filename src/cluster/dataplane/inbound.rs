@@ -13,7 +13,7 @@ use crate::cluster::data_frames::{
     RoundHeader,
 };
 use crate::cluster::outbox::PeerOut;
-use crate::cluster::peer_protocol::BATCH_ANSWERS_MINOR;
+use crate::cluster::peer_protocol::{ACK_ON_ASK_MINOR, BATCH_ANSWERS_MINOR};
 use crate::cluster::replica::LocalDecision;
 use crate::cluster::rounds::{Ended, Waiter};
 use crate::cluster::wire::{ApplyRefusal, ShardRefusal, WireDecision};
@@ -149,6 +149,10 @@ impl DataPlane {
         // round, and the sections refused (one ack for the frame).
         let mut acked_upto: Option<u64> = None;
         let mut refused: SmallVec<[(u64, u32, ApplyRefusal); 2]> = SmallVec::new();
+        // Whether the leader asked for the ack at once (`tag::ACK_NOW`); one
+        // that talks a minor without asks gets every ack at once.
+        let acks_at_once = !out.speaks_minor(ACK_ON_ASK_MINOR);
+        let mut asked = false;
         // Answers to relay, once what this frame applied is written: the
         // node they are for, its incarnation, their count and bytes.
         let mut relays: SmallVec<[Relay<'_>; 2]> = SmallVec::new();
@@ -252,6 +256,7 @@ impl DataPlane {
                         }
                     }
                     tag::BEAT => {}
+                    tag::ACK_NOW => asked = true,
                     other => return Err(FrameError::UnknownTag(other)),
                 }
             }
@@ -266,6 +271,14 @@ impl DataPlane {
         self.relay_answers(&relays);
         if let Some(upto) = acked_upto {
             out.record_ack(from_boot, upto, &refused);
+            // An ack not asked for goes with the next frame to the leader,
+            // or the link's next beat; a refusal the leader hears at once.
+            if acks_at_once || asked || !refused.is_empty() {
+                out.wake.notify_one();
+            }
+        } else if asked {
+            // A bare ask (a handover waiting on its last rounds): the acks
+            // this link holds go now.
             out.wake.notify_one();
         }
         if !decided.is_empty() {

@@ -125,6 +125,12 @@ fn rare_result_of(shard: u32, decision: WireDecision) -> SlotAnswer {
 }
 
 impl SlotBoard {
+    /// A board with no slots, for tests of what waits on boards.
+    #[cfg(test)]
+    pub(in crate::cluster) fn empty() -> SlotBoard {
+        SlotBoard::new(Vec::new(), Vec::new())
+    }
+
     pub(super) fn new(slots: Vec<Slot>, ops: Vec<u8>) -> SlotBoard {
         let pending = slots
             .iter()
