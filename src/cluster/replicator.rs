@@ -68,6 +68,29 @@ fn acks_awaited(waiters: &[Waiter], relay: Option<NodeId>) -> bool {
         .any(|w| matches!(w, Waiter::Local { .. }) || relay.is_none())
 }
 
+/// Whether a follower's copy of a section must leave at once, or may go
+/// with the next frame its link writes anyway (at the latest its next
+/// beat). A section whose commit one follower drives (the hits it forwarded
+/// ride with the round, or it relays the answers) and that the leader
+/// waits on for nothing else reaches its other followers lazily: their
+/// copy is the third replica, not part of the commit anyone waits for.
+/// Without such a follower (fast mode, or acks waited on) every copy goes
+/// at once.
+fn copy_urgent(record: &SentSection, acks_awaited: bool, peer: NodeId) -> bool {
+    let mut drivers = record
+        .with_round
+        .iter()
+        .map(|a| a.peer)
+        .chain(record.relay)
+        .peekable();
+    acks_awaited || drivers.peek().is_none() || drivers.any(|driver| driver == peer)
+}
+
+/// Bytes of lazily sent sections an outbox may hold before its link is
+/// woken anyway: a follower that only ever gets lazy copies gets them in
+/// frames of about this size, not a beat's worth at once.
+const LAZY_OUTBOX_BYTES_MAX: usize = 64 * 1024;
+
 /// The answers one release sends a node that forwarded hits.
 struct RemoteAnswers {
     peer: NodeId,
@@ -83,8 +106,9 @@ struct RemoteAnswers {
 }
 
 /// A round section's peers, each with where the answers it gets with the
-/// section lie in the round's answer bytes (empty: none).
-type PeerSends = SmallVec<[(NodeId, Range<usize>); 4]>;
+/// section lie in the round's answer bytes (empty: none), and whether its
+/// copy must leave at once ([`copy_urgent`]).
+type PeerSends = SmallVec<[(NodeId, Range<usize>, bool); 4]>;
 
 /// A leader lets followers hold the acks it does not wait on (until their
 /// next frame to it, or their next beat) only when its commit timeout is at
@@ -332,8 +356,14 @@ impl DataPlane {
             // with it (a ROUND_ANSWERS section, if any) lie in
             // `round_answers`.
             round_answers.clear();
+            awaited.clear();
+            awaited.extend(
+                records
+                    .iter()
+                    .map(|r| !lazy_acks || acks_awaited(&r.waiters, r.relay)),
+            );
             sends.clear();
-            sends.extend(records.iter().map(|r| {
+            sends.extend(records.iter().zip(awaited.iter()).map(|(r, &awaited)| {
                 r.sent_to
                     .iter()
                     .map(|&peer| {
@@ -344,16 +374,11 @@ impl DataPlane {
                         if r.relay == Some(peer) {
                             put_relay_answers(round_answers, round, r.shard, &r.waiters);
                         }
-                        (peer, at..round_answers.len())
+                        let urgent = !lazy_acks || copy_urgent(r, awaited, peer);
+                        (peer, at..round_answers.len(), urgent)
                     })
                     .collect::<PeerSends>()
             }));
-            awaited.clear();
-            awaited.extend(
-                records
-                    .iter()
-                    .map(|r| !lazy_acks || acks_awaited(&r.waiters, r.relay)),
-            );
             DataStats::add(&self.stats.round_sections, records.len() as u64);
             flight.record(Instant::now(), records.drain(..), ended);
             drop(flight);
@@ -363,12 +388,15 @@ impl DataPlane {
             for (peer, out) in &links {
                 let Some(out) = out else { continue };
                 let asks = out.speaks_minor(ACK_ON_ASK_MINOR);
+                let mut wake = false;
                 let appended = out.append(|body| {
                     let sections = sends.iter().zip(&sections).zip(awaited.iter());
                     for ((peers, section), &awaited) in sections {
-                        let Some((_, answers)) = peers.iter().find(|(p, _)| p == peer) else {
+                        let Some((_, answers, urgent)) = peers.iter().find(|(p, ..)| p == peer)
+                        else {
                             continue;
                         };
+                        wake |= *urgent;
                         if awaited && asks {
                             body.push(tag::ACK_NOW);
                         }
@@ -381,9 +409,12 @@ impl DataPlane {
                         body.extend_from_slice(&section.bytes);
                         body.extend_from_slice(&round_answers[answers.clone()]);
                     }
+                    wake |= body.len() > LAZY_OUTBOX_BYTES_MAX;
                 });
                 if appended.is_some() {
-                    touched.push(out);
+                    if wake {
+                        touched.push(out);
+                    }
                 } else {
                     unsent.push(*peer);
                 }
@@ -581,5 +612,49 @@ mod tests {
             decision: OK.into(),
         };
         assert!(acks_awaited(&[forwarded_by(4), local], Some(3)));
+    }
+
+    /// A section sent to followers 2 and 3, answered with the round to
+    /// `answered_by`, relayed by `relay`.
+    fn sent(answered_by: &[NodeId], relay: Option<NodeId>) -> SentSection {
+        SentSection {
+            shard: 0,
+            term: 1,
+            config: Arc::default(),
+            sent_to: smallvec::smallvec![2, 3],
+            waiters: Vec::new(),
+            with_round: answered_by
+                .iter()
+                .map(|&peer| RoundAnswered {
+                    peer,
+                    boot: 1,
+                    waiters: vec![forwarded_by(peer)],
+                })
+                .collect(),
+            relay,
+        }
+    }
+
+    #[test]
+    fn only_the_follower_that_drives_a_commit_gets_its_copy_at_once() {
+        // Node 2's forwarded hits ride with the round: node 2 applying it
+        // commits it, and node 3's copy may wait for its link's next write.
+        let answered_by_2 = sent(&[2], None);
+        assert!(copy_urgent(&answered_by_2, false, 2));
+        assert!(!copy_urgent(&answered_by_2, false, 3));
+        // Both forwarded hits of the shard: both drive it.
+        let answered_by_both = sent(&[2, 3], None);
+        assert!(copy_urgent(&answered_by_both, false, 2));
+        assert!(copy_urgent(&answered_by_both, false, 3));
+        // Node 3 relays the answers of a node without a replica.
+        let relayed_by_3 = sent(&[], Some(3));
+        assert!(copy_urgent(&relayed_by_3, false, 3));
+        assert!(!copy_urgent(&relayed_by_3, false, 2));
+        // The leader waits on acks (its own clients' hits): every copy.
+        assert!(copy_urgent(&answered_by_2, true, 3));
+        // No follower drives it (fast mode): every copy, as before.
+        let undriven = sent(&[], None);
+        assert!(copy_urgent(&undriven, false, 2));
+        assert!(copy_urgent(&undriven, false, 3));
     }
 }

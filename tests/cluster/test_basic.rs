@@ -1,7 +1,8 @@
 //! Three real nodes on loopback: any node answers as a single node would,
 //! `tollgate cluster status` shows the cluster, nodes with different rules
 //! refuse each other, many clients on all nodes never over-admit, and a
-//! round its leader does not wait on still commits by the followers' beats.
+//! round its leader does not wait on reaches every replica and commits by
+//! the followers' beats.
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
@@ -332,15 +333,17 @@ fn a_forwarding_node_answers_a_denied_counter_itself_until_its_window_resets() {
 }
 
 /// A leader asks its followers to acknowledge at once only the rounds it
-/// waits on (`tag::ACK_NOW`, peer protocol 2.5); hits a follower forwarded
-/// are answered with the round, so their sections wait on no one, and the
-/// followers' acks go with their next frame to the leader or their next
-/// beat. With nothing else flowing those acks ride the beats: every such
-/// section still commits, and none times out.
+/// waits on (`tag::ACK_NOW`, peer protocol 2.5), and sends a section at
+/// once only to the follower whose hits ride with it; hits a follower
+/// forwarded are answered with the round, so their sections wait on no
+/// one: the follower's ack, and the other follower's copy, go with the
+/// next frame on their link or its next beat. With nothing else flowing
+/// they ride the beats: every such section still commits, none times out,
+/// and the other follower holds every state.
 #[test]
-fn sections_their_leader_does_not_wait_on_commit_by_the_followers_next_beats() {
+fn sections_no_one_waits_on_reach_every_replica_and_commit_by_the_next_beats() {
     // Beats far apart, and a commit timeout that lets acks wait for them
-    // (lazy acks need at least four beats).
+    // (lazy acks and copies need at least four beats).
     let cluster = TestCluster::start(
         3,
         4,
@@ -360,13 +363,15 @@ fn sections_their_leader_does_not_wait_on_commit_by_the_followers_next_beats() {
         .filter_map(|s| s.leader)
         .next()
         .expect("a leader");
-    let via = [1, 2, 3].into_iter().find(|&id| id != leader).unwrap();
-    let stats = |cluster: &TestCluster| {
+    let mut followers = [1, 2, 3].into_iter().filter(|&id| id != leader);
+    let (via, other) = (followers.next().unwrap(), followers.next().unwrap());
+    let stats = |cluster: &TestCluster, id: u64| {
         let topology = cluster.topology().expect("status");
-        let node = topology.nodes.iter().find(|n| n.id == leader).unwrap();
-        node.stats.clone().expect("the leader's stats")
+        let node = topology.nodes.iter().find(|n| n.id == id).unwrap();
+        node.stats.clone().expect("the node's stats")
     };
-    let before = stats(&cluster);
+    let before = stats(&cluster, leader);
+    let other_before = stats(&cluster, other);
     let users = users_led_by(&topology, 4, leader, "unasked", 24);
     let lines: Vec<String> = users
         .iter()
@@ -381,19 +386,25 @@ fn sections_their_leader_does_not_wait_on_commit_by_the_followers_next_beats() {
             "{user} through node {via}: {answer}"
         );
     }
-    // Every section the leader sent ends, committed, within a few beats
-    // (bounded far below here for a loaded machine; the commit timeout
-    // is 8 s, so a section whose acks never came would count as failed).
+    // Every section the leader sent ends, committed, and the other
+    // follower applies every state, within a few beats (bounded far above
+    // that here for a loaded machine; the commit timeout is 8 s, so a
+    // section whose acks never came would count as failed).
     let deadline = Instant::now() + Duration::from_secs(30);
     let after = loop {
-        let now = stats(&cluster);
+        let now = stats(&cluster, leader);
+        let applied = stats(&cluster, other).states_applied - other_before.states_applied;
         let ended = now.sections_committed + now.sections_failed;
         if ended - (before.sections_committed + before.sections_failed)
             >= now.round_sections - before.round_sections
+            && applied >= users.len() as u64
         {
             break now;
         }
-        assert!(Instant::now() < deadline, "sections still open: {now:?}");
+        assert!(
+            Instant::now() < deadline,
+            "sections still open, or node {other} applied {applied} states: {now:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(
@@ -403,5 +414,10 @@ fn sections_their_leader_does_not_wait_on_commit_by_the_followers_next_beats() {
     assert_eq!(
         after.sections_failed, before.sections_failed,
         "no section timed out waiting for an unasked ack: {after:?}"
+    );
+    assert_eq!(
+        stats(&cluster, other).states_applied - other_before.states_applied,
+        users.len() as u64,
+        "node {other} holds each hit's state once"
     );
 }

@@ -362,10 +362,17 @@ fn a_new_leader_collects_every_voter_it_hears_not_only_the_first_majority() {
         "{answers:?}"
     );
     let before = peek_credit(cluster.client(1), "/big", &user);
-    assert!(
-        cluster.link(3, 2).stats().bytes_dropped > 0,
-        "node 3's round to node 2 was dropped"
-    );
+    // Node 2's copy of a section node 1 commits leaves with node 3's next
+    // write to node 2, at the latest its next beat (docs/cluster.md, "The
+    // data path", step 5).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cluster.link(3, 2).stats().bytes_dropped == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "node 3's round to node 2 was dropped"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     cluster.kill(3);
     for entry in std::fs::read_dir(&counters).unwrap() {
         std::fs::remove_file(entry.unwrap().path()).unwrap();
