@@ -238,24 +238,25 @@ impl DataPlane {
         self.round.lock().holds(shard) || self.in_flight.lock().holds(shard)
     }
 
-    /// Asks the followers of `shard` that may hold their acks (peer protocol
-    /// 2.5) to send them now: a bare `ACK_NOW`, so that a handover's wait
-    /// for its last rounds to commit does not last until their next beat.
+    /// Sends `shard`'s followers, now, the copies of its sections queued
+    /// for them lazily ([`copy_urgent`]), and asks those that may hold
+    /// their acks (peer protocol 2.5) to send them at once: a bare
+    /// `ACK_NOW`. So a handover's wait for its last rounds to commit does
+    /// not last until the links' next beats.
     pub fn ask_acks(&self, shard: u32) {
         let replicas = self.replicas();
         let Some(replica) = replica_in(&replicas, shard) else {
             return;
         };
         for &peer in &replica.config().targets {
-            let Some(out) = self.existing_out(peer) else {
+            let Some(out) = self.existing_out(peer).filter(|o| o.connected()) else {
                 continue;
             };
-            if out.connected()
-                && out.speaks_minor(ACK_ON_ASK_MINOR)
-                && out.append(|body| body.push(tag::ACK_NOW)).is_some()
-            {
-                out.wake.notify_one();
+            if out.speaks_minor(ACK_ON_ASK_MINOR) {
+                // A full outbox wakes its link anyway.
+                let _ = out.append(|body| body.push(tag::ACK_NOW));
             }
+            out.wake.notify_one();
         }
     }
 
