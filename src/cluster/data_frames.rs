@@ -69,8 +69,9 @@ pub mod tag {
     /// own clients' hits, or answers no follower carries on), so the
     /// receiver acknowledges the frame at once. Without it, a receiver
     /// talking peer protocol 2.5 or later acknowledges with its next frame
-    /// to the leader or its link's next beat. Peer protocol 2.5
-    /// (`peer_protocol::ACK_ON_ASK_MINOR`).
+    /// to the leader or its link's next beat. Sent alone (a handover
+    /// waiting on its shard's last rounds), it asks for the acks the
+    /// receiver holds. Peer protocol 2.5 (`peer_protocol::ACK_ON_ASK_MINOR`).
     pub const ACK_NOW: u8 = 9;
 }
 
