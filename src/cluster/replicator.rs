@@ -111,8 +111,10 @@ struct RemoteAnswers {
 type PeerSends = SmallVec<[(NodeId, Range<usize>, bool); 4]>;
 
 /// A leader lets followers hold the acks it does not wait on (until their
-/// next frame to it, or their next beat) only when its commit timeout is at
-/// least this many beats: else a held ack could time its section out.
+/// next frame to it, or their next beat), and queues the copies no commit
+/// waits on ([`copy_urgent`]) for its links' next frames, only when its
+/// commit timeout is at least this many beats: else a held ack or copy
+/// could time its section out.
 const LAZY_ACK_TIMEOUT_BEATS: u64 = 4;
 
 /// Room for a release's answers to one node when its first is added.
@@ -276,8 +278,9 @@ impl DataPlane {
             acks_awaited: awaited,
             ended,
         } = scratch;
-        // A follower may hold an ack the leader does not wait on for up to
-        // its beat: only while that is well within the commit timeout.
+        // A follower may hold an ack the leader does not wait on, and a copy
+        // may wait in an outbox, for up to a beat: only while that is well
+        // within the commit timeout.
         let lazy_acks =
             self.settings.commit_timeout_ms >= LAZY_ACK_TIMEOUT_BEATS * self.settings.beat_ms;
         // The round's peers, each looked up once, with its outbox if its
