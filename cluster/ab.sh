@@ -17,7 +17,16 @@
 #           three nodes (`cluster/local.sh up`, leaders balanced first), one
 #           generator of CONNECTIONS / 3 on each node;
 #   aware   three nodes fast, the generators' hits sent straight to their
-#           shards' leaders (`tollgate-loadtest --leader-aware`).
+#           shards' leaders (`tollgate-loadtest --leader-aware`);
+#   open    three strict nodes under the bench's open loop: one generator
+#           of OPEN_CONNECTIONS (15) connections over the three nodes,
+#           pipeline 256, sending every OPEN_PACE_US (500) µs what is due
+#           at OPEN_RATE hits/s (236055; the bench prints its own, a third
+#           of the strict maximum). Its rows add the p50 and p99 (µs) and
+#           the nodes' peer writes per hit, and the summary the median p99
+#           and, against the first label, in how many rounds each build's
+#           p99 was lower: a tail moves within a wide spread, so judge it
+#           over many rounds (ROUNDS=20).
 # The load is the bench's (cluster/bench.sh): closed loop, pipeline
 # PIPELINE, ACTORS actors, every hit admitted and so replicated (unless
 # CREDIT_LIMIT makes them denials); nodes keep
@@ -43,6 +52,9 @@ CONNECTIONS=${CONNECTIONS:-48}
 PIPELINE=${PIPELINE:-16}
 ACTORS=${ACTORS:-100000}
 CREDIT_LIMIT=${CREDIT_LIMIT:-1000000000}
+OPEN_RATE=${OPEN_RATE:-236055}
+OPEN_CONNECTIONS=${OPEN_CONNECTIONS:-15}
+OPEN_PACE_US=${OPEN_PACE_US:-500}
 BASE_PORT=${BASE_PORT:-26321}
 SHARDS=${SHARDS:-64}
 PERF_EVENTS=${PERF_EVENTS:-}
@@ -68,6 +80,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
+peer_writes() { # peer_writes BINARY: data-stream writes of every node so far
+  "$1" cluster status --json --node "127.0.0.1:$BASE_PORT" | python3 -c '
+import json, sys
+print(sum((n.get("stats") or {}).get("writes", 0) for n in json.load(sys.stdin)["nodes"]))'
+}
+
 run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   local label=$1 binary=$2 mode=$3 pids="" generators=() targets=() flags=() n
   case $mode in
@@ -80,9 +98,10 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
         pids="$pids $!"; targets+=("127.0.0.1:$((BASE_PORT + n))")
       done
       sleep 1 ;;
-    strict|fast|aware)
+    strict|fast|aware|open)
       local consistency=$mode
       [[ $mode == aware ]] && { consistency=fast; flags=(--leader-aware --rules "$RULES"); }
+      [[ $mode == open ]] && consistency=strict
       TOLLGATE=$binary CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up.txt" 2>&1 \
         || { cat "$OUT_DIR/up.txt" >&2; exit 1; }
       wait_balanced "$binary" 3
@@ -90,9 +109,15 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
       for n in 0 1 2; do targets+=("127.0.0.1:$((BASE_PORT + n))"); done ;;
     *) echo "ab.sh: unknown mode $mode" >&2; exit 2 ;;
   esac
-  local share=$((CONNECTIONS / ${#targets[@]})) i=0
+  local share=$((CONNECTIONS / ${#targets[@]})) i=0 pipeline=$PIPELINE
+  if [[ $mode == open ]]; then
+    # One generator over every node, as the bench's open loop.
+    targets=("$(IFS=,; echo "${targets[*]}")")
+    share=$OPEN_CONNECTIONS pipeline=256
+    flags=(--rate "$OPEN_RATE" --pace-us "$OPEN_PACE_US")
+  fi
   for target in "${targets[@]}"; do
-    "$LOADTEST" --target "$target" --protocol divvy --connections "$share" --pipeline "$PIPELINE" \
+    "$LOADTEST" --target "$target" --protocol divvy --connections "$share" --pipeline "$pipeline" \
       --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix a \
       --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/gen$i.json" "${flags[@]}" \
       > /dev/null 2>&1 &
@@ -101,7 +126,8 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   [[ $mode == single || $mode == tri ]] && live_pids="$pids"
   live_pids="$live_pids ${generators[*]}"
   sleep "$WARMUP"
-  local before after counts=""
+  local before after counts="" writes_before=0 writes_after=0
+  [[ $mode == open ]] && writes_before=$(peer_writes "$binary")
   # shellcheck disable=SC2086
   before=$(cpu_ticks $pids)
   if [[ -n $PERF_EVENTS ]]; then
@@ -112,6 +138,7 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   fi
   # shellcheck disable=SC2086
   after=$(cpu_ticks $pids)
+  [[ $mode == open ]] && writes_after=$(peer_writes "$binary")
   wait "${generators[@]}" || true
   if [[ $mode == single || $mode == tri ]]; then
     # shellcheck disable=SC2086
@@ -123,14 +150,20 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
     rm -rf "$RUN_DIR"
   fi
   live_pids=""
-  python3 - "$OUT_DIR" "$i" "$label" "$mode" "$before" "$after" "$(getconf CLK_TCK)" "$DURATION" "$counts" <<'PY' | tee -a "$RESULTS"
+  python3 - "$OUT_DIR" "$i" "$label" "$mode" "$before" "$after" "$(getconf CLK_TCK)" "$DURATION" "$counts" \
+    "$((writes_after - writes_before))" <<'PY' | tee -a "$RESULTS"
 import json, sys
-out, gens, label, mode, before, after, tck, duration, counts = sys.argv[1:]
-hits = sum(json.load(open(f"{out}/gen{i}.json"))["throughput_per_sec"] for i in range(int(gens)))
+out, gens, label, mode, before, after, tck, duration, counts, writes = sys.argv[1:]
+reports = [json.load(open(f"{out}/gen{i}.json")) for i in range(int(gens))]
+hits = sum(r["throughput_per_sec"] for r in reports)
 (bu, bs), (au, as_) = map(int, before.split()), map(int, after.split())
 user, system = (au - bu) / int(tck) / float(duration), (as_ - bs) / int(tck) / float(duration)
 per_hit = {name: int(value) / (hits * float(duration)) for name, value in (c.split("=") for c in counts.split())}
 extra = "".join(f"\t{name}/hit={value:.4f}" for name, value in per_hit.items())
+if mode == "open":
+    latency = reports[0]["latency_us"]
+    extra += f"\tp50={latency['p50']:.0f}\tp99={latency['p99']:.0f}"
+    extra += f"\tpeer_writes/hit={int(writes) / (hits * float(duration)):.4f}"
 print(f"{label}\t{mode}\t{hits:.0f}\t{(user + system) * 1e6 / hits:.3f}\t{user * 1e6 / hits:.3f}\t{system * 1e6 / hits:.3f}{extra}")
 PY
 }
@@ -160,5 +193,23 @@ for l in labels:
         base = median.get((l, "single"))
         cells.append("-" if v is None else f"{v:.3f}" + (f" ({v / base:.2f}×)" if base and m != "single" else ""))
     print(f"| {l} | " + " | ".join(cells) + " |")
+# The open loop's tail: median p99, and the rounds in which each build's
+# p99 was below the first label's in the same round.
+p99 = {}
+for r in rows:
+    for field in r[6:]:
+        if field.startswith("p99="):
+            p99.setdefault(r[0], []).append(float(field[4:]))
+if p99:
+    first = labels[0]
+    print("\nOpen loop, p99 (µs): median, and rounds below " + first + "'s\n")
+    for l in labels:
+        runs = p99.get(l, [])
+        if not runs:
+            continue
+        below = sum(a < b for a, b in zip(runs, p99.get(first, [])))
+        pairs = min(len(runs), len(p99.get(first, [])))
+        tail = "" if l == first else f", below in {below} of {pairs}"
+        print(f"{l}: {statistics.median(runs):.0f}{tail}")
 PY
 echo "runs in $RESULTS" >&2
