@@ -378,8 +378,9 @@ impl DataPlane {
                         if r.relay == Some(peer) {
                             put_relay_answers(round_answers, round, r.shard, &r.waiters);
                         }
-                        let urgent = !lazy_acks || copy_urgent(r, awaited, peer);
-                        (peer, at..round_answers.len(), urgent)
+                        // `awaited` holds when acks may not wait (`lazy_acks`
+                        // off): every copy is then urgent too.
+                        (peer, at..round_answers.len(), copy_urgent(r, awaited, peer))
                     })
                     .collect::<PeerSends>()
             }));

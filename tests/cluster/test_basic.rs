@@ -6,6 +6,16 @@
 
 use crate::cluster_support::*;
 use std::time::{Duration, Instant};
+use tollgate::cluster::wire::NodeStats;
+
+/// Node `id`'s data-path counters, from `cluster status`.
+fn node_stats(cluster: &TestCluster, id: u64) -> NodeStats {
+    let topology = cluster.topology().expect("status");
+    let node = topology.nodes.iter().find(|n| n.id == id).unwrap();
+    node.stats
+        .clone()
+        .unwrap_or_else(|| panic!("node {id}'s stats"))
+}
 
 /// A transcript touching several rules (canary included), the three
 /// algorithms, actors and limits, including denials.
@@ -273,11 +283,7 @@ fn a_forwarding_node_answers_a_denied_counter_itself_until_its_window_resets() {
                 topology.placement[shard as usize].leader != Some(1)
             })
             .unwrap();
-        let forwarded = |cluster: &TestCluster| -> u64 {
-            let topology = cluster.topology().expect("status");
-            let node = topology.nodes.iter().find(|n| n.id == 1).unwrap();
-            node.stats.as_ref().expect("node 1's stats").forwarded_ops
-        };
+        let forwarded = |cluster: &TestCluster| node_stats(cluster, 1).forwarded_ops;
         let before = forwarded(&cluster);
         let line = format!("HIT path=/brief user={user}");
         let mut conn = Conn::open(cluster.client(1)).unwrap();
@@ -365,13 +371,8 @@ fn sections_no_one_waits_on_reach_every_replica_and_commit_by_the_next_beats() {
         .expect("a leader");
     let mut followers = [1, 2, 3].into_iter().filter(|&id| id != leader);
     let (via, other) = (followers.next().unwrap(), followers.next().unwrap());
-    let stats = |cluster: &TestCluster, id: u64| {
-        let topology = cluster.topology().expect("status");
-        let node = topology.nodes.iter().find(|n| n.id == id).unwrap();
-        node.stats.clone().expect("the node's stats")
-    };
-    let before = stats(&cluster, leader);
-    let other_before = stats(&cluster, other);
+    let before = node_stats(&cluster, leader);
+    let other_before = node_stats(&cluster, other);
     let users = users_led_by(&topology, 4, leader, "unasked", 24);
     let lines: Vec<String> = users
         .iter()
@@ -392,8 +393,8 @@ fn sections_no_one_waits_on_reach_every_replica_and_commit_by_the_next_beats() {
     // section whose acks never came would count as failed).
     let deadline = Instant::now() + Duration::from_secs(30);
     let after = loop {
-        let now = stats(&cluster, leader);
-        let applied = stats(&cluster, other).states_applied - other_before.states_applied;
+        let now = node_stats(&cluster, leader);
+        let applied = node_stats(&cluster, other).states_applied - other_before.states_applied;
         let ended = now.sections_committed + now.sections_failed;
         if ended - (before.sections_committed + before.sections_failed)
             >= now.round_sections - before.round_sections
@@ -416,7 +417,7 @@ fn sections_no_one_waits_on_reach_every_replica_and_commit_by_the_next_beats() {
         "no section timed out waiting for an unasked ack: {after:?}"
     );
     assert_eq!(
-        stats(&cluster, other).states_applied - other_before.states_applied,
+        node_stats(&cluster, other).states_applied - other_before.states_applied,
         users.len() as u64,
         "node {other} holds each hit's state once"
     );
