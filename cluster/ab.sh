@@ -38,7 +38,10 @@
 # PIPELINE (16), ACTORS (100000), CREDIT_LIMIT (the bench rule's limit per
 # hour, 1000000000: every hit admitted; 10: after the first moments every
 # hit denied), SHARDS (64), BASE_PORT (26321), LOADTEST,
-# OUT_DIR.
+# OUT_DIR, CPUS (unset: any CPU; a taskset list such as 1 pins the servers
+# and generators to it: with one CPU of two, how a setup fares while the
+# machine's other work holds the other CPU, as it does for a few
+# milliseconds at a time, docs/benchmarks.md, "Thirty-fifth round").
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,6 +61,13 @@ OPEN_PACE_US=${OPEN_PACE_US:-500}
 BASE_PORT=${BASE_PORT:-26321}
 SHARDS=${SHARDS:-64}
 PERF_EVENTS=${PERF_EVENTS:-}
+CPUS=${CPUS:-}
+pin=()
+if [[ -n $CPUS ]]; then
+  command -v taskset > /dev/null || { echo "ab.sh: CPUS needs taskset (util-linux), which is not installed" >&2; exit 2; }
+  taskset -c "$CPUS" true 2> /dev/null || { echo "ab.sh: CPUS '$CPUS' is not a CPU list this machine has (taskset -c)" >&2; exit 2; }
+  pin=(taskset -c "$CPUS")
+fi
 OUT_DIR=${OUT_DIR:-${TMPDIR:-/tmp}/tollgate-ab-$$}
 mkdir -p "$OUT_DIR"
 export BASE_PORT SHARDS DATA_DIRS=none RUN_DIR="$OUT_DIR/run"
@@ -90,11 +100,11 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
   local label=$1 binary=$2 mode=$3 pids="" generators=() targets=() flags=() n
   case $mode in
     single)
-      "$binary" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single.log" 2>&1 &
+      "${pin[@]}" "$binary" serve --listen "127.0.0.1:$BASE_PORT" "$RULES" > "$OUT_DIR/single.log" 2>&1 &
       pids=$!; targets=("127.0.0.1:$BASE_PORT"); sleep 1 ;;
     tri)
       for n in 0 1 2; do
-        "$binary" serve --listen "127.0.0.1:$((BASE_PORT + n))" "$RULES" > "$OUT_DIR/tri$n.log" 2>&1 &
+        "${pin[@]}" "$binary" serve --listen "127.0.0.1:$((BASE_PORT + n))" "$RULES" > "$OUT_DIR/tri$n.log" 2>&1 &
         pids="$pids $!"; targets+=("127.0.0.1:$((BASE_PORT + n))")
       done
       sleep 1 ;;
@@ -102,7 +112,7 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
       local consistency=$mode
       [[ $mode == aware ]] && { consistency=fast; flags=(--leader-aware --rules "$RULES"); }
       [[ $mode == open ]] && consistency=strict
-      TOLLGATE=$binary CONSISTENCY=$consistency "$ROOT/cluster/local.sh" up > "$OUT_DIR/up.txt" 2>&1 \
+      TOLLGATE=$binary CONSISTENCY=$consistency "${pin[@]}" "$ROOT/cluster/local.sh" up > "$OUT_DIR/up.txt" 2>&1 \
         || { cat "$OUT_DIR/up.txt" >&2; exit 1; }
       wait_balanced "$binary" 3
       pids=$(cat "$RUN_DIR"/node*.pid | tr '\n' ' ')
@@ -117,7 +127,7 @@ run() { # run LABEL BINARY MODE: one measurement, appended to $RESULTS
     flags=(--rate "$OPEN_RATE" --pace-us "$OPEN_PACE_US")
   fi
   for target in "${targets[@]}"; do
-    "$LOADTEST" --target "$target" --protocol divvy --connections "$share" --pipeline "$pipeline" \
+    "${pin[@]}" "$LOADTEST" --target "$target" --protocol divvy --connections "$share" --pipeline "$pipeline" \
       --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix a \
       --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/gen$i.json" "${flags[@]}" \
       > /dev/null 2>&1 &
