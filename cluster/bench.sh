@@ -54,7 +54,12 @@
 #    interleaved (the single node, the cluster and the floor up throughout,
 #    each idle while the other runs), reported as each setup's median p99
 #    and its range, because one run's p99 swings with what the host does
-#    (docs/benchmarks.md, "Twenty-ninth round"); then once more with
+#    (docs/benchmarks.md, "Twenty-ninth round"); then the cluster and the
+#    floor once each with every server thread and the generator pinned to
+#    one CPU (context: the host's episodes, which hold one of the two
+#    CPUs for a few milliseconds at a time, held for the whole run; p50,
+#    p99 and the servers' CPU per hit, docs/benchmarks.md, "Thirty-fifth
+#    round"); then once more with
 #    CONNECTIONS connections, each sending every 100 us (context: a read
 #    then carries about one hit, which costs a node several times its
 #    closed-loop CPU per hit, and the machine's cores fill).
@@ -407,8 +412,9 @@ PY
 )
 export RATE
 echo "open loop at $RATE hits/s" >&2
+open_pin=() # a command before the generator (taskset), when it runs pinned
 open_load() { # open_load NAME TARGET CONNECTIONS RATE [PACE_US [LOADTEST FLAGS...]]
-  "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline 256 --rate "$4" \
+  "${open_pin[@]}" "$LOADTEST" --target "$2" --protocol divvy --connections "$3" --pipeline 256 --rate "$4" \
     --pace-us "${5:-$PACE_US}" --duration "$DURATION" --warmup "$WARMUP" --actors "$ACTORS" --actor-prefix o \
     --template 'path=/bench user={actor}' --quiet --json "$OUT_DIR/$1.json" "${@:6}" > "$OUT_DIR/$1.txt"
 }
@@ -477,6 +483,34 @@ for round in $(seq 1 "$OPEN_ROUNDS"); do
   open_load "open-strict-aware-$round" "$all_nodes" "$OPEN_CONNECTIONS" "$RATE" "$PACE_US" --leader-aware --rules "$RULES"
   open_load "open-floor-$round" "$floor_open" "$OPEN_CONNECTIONS" "$RATE"
 done
+# Once more with the cluster, the floor and the generator on one CPU: the
+# host's episodes, which take one of the two CPUs for a few milliseconds
+# at a time, held for the whole run (docs/benchmarks.md, "Thirty-fifth
+# round"). Every thread of the running servers is pinned, then let go.
+one_cpu=$(python3 -c "import os; print(max(os.sched_getaffinity(0)))")
+all_cpus=$(python3 -c "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))")
+pin_servers() { # pin_servers CPU_LIST: every thread of the cluster's and the floor's nodes
+  local pid
+  for pid in $(cat "$RUN_DIR"/node*.pid) "${FLOOR_PIDS[@]}"; do taskset -a -p -c "$1" "$pid" > /dev/null; done
+}
+echo "open loop on CPU $one_cpu only" >&2
+pin_servers "$one_cpu"
+open_pin=(taskset -c "$one_cpu")
+one_cpu_run() { # one_cpu_run NAME TARGET PIDS...: the open loop, and the servers' CPU over its measured window
+  local name=$1 target=$2 load before after
+  shift 2
+  open_load "$name" "$target" "$OPEN_CONNECTIONS" "$RATE" &
+  load=$!
+  sleep "$WARMUP"; before=$(cpu_ticks "$@")
+  sleep "$DURATION"; after=$(cpu_ticks "$@")
+  wait "$load"
+  echo "$before $after" > "$OUT_DIR/$name.ticks"
+}
+# shellcheck disable=SC2046 # one pid per word
+one_cpu_run open-strict-one-cpu "$all_nodes" $(cat "$RUN_DIR"/node*.pid)
+one_cpu_run open-floor-one-cpu "$floor_open" "${FLOOR_PIDS[@]}"
+open_pin=()
+pin_servers "$all_cpus"
 floor_down
 open_load open-single-many "$single_open" "$CONNECTIONS" "$RATE" 100
 kill "$single"; wait "$single" || true
@@ -674,6 +708,14 @@ print(f"| (five nodes fast with as many connections per node as three: CPU per h
 print(f"| strict p99 at a third of its maximum, open loop, median of {open_rounds} rounds | "
       f"{strict_p99 / 1000:.2f} ms (one node {single_p99 / 1000:.2f} ms) | <= 2 ms |")
 print(f"| (the same, leader-aware clients) | {strict_aware_p99 / 1000:.2f} ms | context |")
+def one_cpu_figures(name):
+    run = read(f"open-{name}-one-cpu")
+    bu, bs, au, as_ = map(int, open(path(f"open-{name}-one-cpu.ticks")).read().split())
+    cpu_us = ((au - bu) + (as_ - bs)) / os.sysconf("SC_CLK_TCK") * 1e6 / (run["throughput_per_sec"] * float(duration))
+    latency = run["latency_us"]
+    return f"{latency['p50'] / 1000:.2f} / {latency['p99'] / 1000:.2f} ms, {cpu_us:.2f} us per hit"
+print(f"| (the same, servers and generator on one CPU, one run: p50 / p99, servers' CPU per hit) | "
+      f"{one_cpu_figures('strict')} (mesh floor {one_cpu_figures('floor')}) | context |")
 print(f"| (the same, three mesh floor nodes: the messages alone) | {floor_p99 / 1000:.2f} ms | context |")
 stalls = [json.loads(line) for line in open(path("host-stalls.jsonl")) if line.strip()]
 if stalls:
