@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::droplet::BucketTemplate;
 use crate::failover::ProbeArgs;
 use crate::grpc::EnvoyTemplate;
+use crate::windows::{window_count, WINDOWS_MAX, WINDOW_MS_DEFAULT, WINDOW_MS_MAX};
 
 /// The template used when `--template` is not given: it matches the per-IP cookie rule of divvy's
 /// example configuration (3 hits per hour per `ip`), which Tollgate embeds as its default rules.
@@ -284,6 +285,28 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub interval_json: Option<PathBuf>,
 
+    /// Write latency over time to FILE as CSV, once the run is over (FILE is created when the run
+    /// starts, so a path that cannot be written is refused before any load): the measured time
+    /// cut into windows of `--window-ms`, one line per window after a header line
+    /// `start_ms,hits,p50_us,p90_us,p99_us,max_us,over_1ms,over_2ms`. A hit belongs to the window
+    /// of its due time (the time its latency is measured from); the windows hold the hits the
+    /// latency figures hold. `start_ms`: the window's start in ms since the end of the warm-up;
+    /// `hits`: the hits due in it; `p50_us`, `p90_us`, `p99_us`: upper bounds in µs, the upper
+    /// bound of the coarse latency bucket the percentile falls in (buckets from 1 µs, each about
+    /// 25 % wider than the one before; never above `max_us`, and `max_us` above about 1.27 s);
+    /// `max_us`: the largest latency; `over_1ms`, `over_2ms`: the hits whose latency exceeded 1 ms
+    /// and 2 ms, counted exactly. A window without hits has `hits` 0 and empty latency fields.
+    /// With `--json`, the report gains `windows`: `window_ms`, `count`, `over_2ms` (the hits over
+    /// 2 ms in all) and `share_of_over_2ms_in_worst_tenth` (the fraction of them in the tenth of
+    /// the windows with the most, 0 when there are none).
+    #[arg(long, value_name = "FILE")]
+    pub window_log: Option<PathBuf>,
+
+    /// With `--window-log`: the windows' length in milliseconds, 1 to 60000 (default: 10). The
+    /// measured time may make at most 1000000 windows.
+    #[arg(long)]
+    pub window_ms: Option<u64>,
+
     /// Write the results (and this configuration) as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -345,6 +368,14 @@ impl Args {
                 self.pace_us
             );
         }
+        if let Some(ms) = self.window_ms {
+            if self.window_log.is_none() {
+                bail!("--window-ms {ms} sets the windows of --window-log: it needs --window-log");
+            }
+            if !(1..=WINDOW_MS_MAX).contains(&ms) {
+                bail!("--window-ms {ms} is out of range: 1..={WINDOW_MS_MAX}");
+            }
+        }
         if let Some(rate) = self.rate {
             if !(rate.is_finite() && rate > 0.0) {
                 bail!("--rate must be a positive number of requests per second");
@@ -362,6 +393,17 @@ impl Args {
         }
         if self.duration <= 0.0 {
             bail!("--duration must be positive");
+        }
+        if self.window_log.is_some() {
+            let windows = window_count(self.duration_ns(), self.window_ns());
+            if windows > WINDOWS_MAX {
+                bail!(
+                    "--duration {} s in windows of --window-ms {} makes {windows} windows: at \
+                     most {WINDOWS_MAX} (lengthen --window-ms or shorten --duration)",
+                    self.duration,
+                    self.window_ms()
+                );
+            }
         }
         if self.actors == 0 || self.actors > ACTORS_MAX {
             bail!("--actors must be in 1..={ACTORS_MAX}");
@@ -463,6 +505,21 @@ impl Args {
     /// The window `--check` enforces, in seconds.
     pub fn check_window_secs(&self) -> f64 {
         self.check_window_secs.unwrap_or(self.reset_seconds as f64)
+    }
+
+    /// `--duration` in ns (the measured time's length in the run's plan).
+    pub fn duration_ns(&self) -> u64 {
+        (self.duration * 1e9) as u64
+    }
+
+    /// The windows' length of `--window-log` in ms: `--window-ms`, or its default.
+    pub fn window_ms(&self) -> u64 {
+        self.window_ms.unwrap_or(WINDOW_MS_DEFAULT)
+    }
+
+    /// The windows' length of `--window-log` in ns.
+    pub fn window_ns(&self) -> u64 {
+        self.window_ms().saturating_mul(1_000_000)
     }
 
     /// The first of `--target`'s addresses (see [`Args::target_addrs`]).

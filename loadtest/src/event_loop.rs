@@ -5,8 +5,8 @@
 //! by id, see [`crate::grpc`]), the closed-loop refill (keep `pipeline` requests in
 //! flight) and the open-loop schedule (requests due at fixed times, queued when a connection's
 //! pipeline is full, latency measured from the due time), reading and parsing answers (and answering
-//! a WebSocket ping), and recording them into the thread's histogram, counters and (for `--check`)
-//! list of allowed hits.
+//! a WebSocket ping), and recording them into the thread's histogram, counters, (for `--check`)
+//! list of allowed hits and (for `--window-log`) per-window summaries.
 //!
 //! The steady path does not allocate: request bytes are copied from the shared request table into a
 //! reused write buffer, answers are parsed in place in a reused read buffer, and the per-connection
@@ -33,6 +33,7 @@ use crate::timer::{tighten_timer_slack, Timer};
 use crate::websocket::{
     handshake_key, handshake_request, parse_handshake, push_client_frame, Handshake, OPCODE_PONG,
 };
+use crate::windows::Windows;
 use crate::wire::{parse_divvy, parse_droplet, parse_resp, parse_take, Parse, Reply, RespMode};
 use crate::workload::{connection_rng, Picker, RequestTable};
 
@@ -91,6 +92,8 @@ pub struct Plan {
     pub pace_ns: u64,
     pub warmup_ns: u64,
     pub duration_ns: u64,
+    /// `--window-log`: the windows' length in ns (`None`: no window log).
+    pub window_ns: Option<u64>,
     pub drain_ns: u64,
     pub connect_timeout_ns: u64,
     /// Total request budget (0 = unlimited).
@@ -161,6 +164,8 @@ pub struct ThreadResult {
     pub hist: Histogram<u64>,
     pub counts: Counts,
     pub hits: Vec<AllowedHit>,
+    /// `--window-log`: the measured hits per window of the thread's measured time.
+    pub windows: Option<Windows>,
     /// Start of the measured window, ns since base.
     pub measure_start_ns: u64,
     /// End of the measured window (earlier than planned when the request budget ran out).
@@ -186,6 +191,8 @@ struct Ctx<'a> {
     hist: Histogram<u64>,
     counts: Counts,
     hits: Vec<AllowedHit>,
+    /// `--window-log`: the recorded hits by the window of their due time.
+    windows: Option<Windows>,
     warm_end_ns: u64,
     meas_end_ns: u64,
     /// Closed loop: still starting new requests.
@@ -773,6 +780,9 @@ impl Conn {
         if recorded {
             let latency = now.saturating_sub(p.due_ns).clamp(1, LATENCY_NS_MAX);
             ctx.hist.saturating_record(latency);
+            if let Some(w) = ctx.windows.as_mut() {
+                w.record(p.due_ns.saturating_sub(ctx.warm_end_ns), latency);
+            }
         }
         match reply {
             Reply::Allowed { credit } => {
@@ -946,6 +956,7 @@ impl<'a> ThreadLoop<'a> {
             hist: Histogram::new_with_bounds(1, LATENCY_NS_MAX, 3)?,
             counts: Counts::default(),
             hits: Vec::new(),
+            windows: plan.window_ns.map(|w| Windows::new(w, plan.duration_ns)),
             warm_end_ns: u64::MAX,
             meas_end_ns: u64::MAX,
             sending: false,
@@ -1285,6 +1296,7 @@ impl<'a> ThreadLoop<'a> {
             hist: ctx.hist,
             counts: ctx.counts,
             hits: ctx.hits,
+            windows: ctx.windows,
             measure_start_ns: ctx.warm_end_ns,
             measure_end_ns,
         }

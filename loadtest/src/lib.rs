@@ -5,7 +5,8 @@
 //! the WebSocket upgrade for droplet, and checks for HTTP/2 for envoy-rls),
 //! building the shared request table, starting one event-loop thread per `--threads`, drawing the
 //! progress line and writing the per-second `--interval-json` lines, and merging the threads' results
-//! into a [`Report`] (with the `--check` verdict). The binary is a thin wrapper around [`run`].
+//! into a [`Report`] (with the `--check` verdict, and the `--window-log` CSV written at the end). The
+//! binary is a thin wrapper around [`run`].
 
 pub mod check;
 pub mod config;
@@ -19,6 +20,7 @@ pub mod report;
 pub mod routes;
 pub mod timer;
 pub mod websocket;
+pub mod windows;
 pub mod wire;
 pub mod workload;
 
@@ -40,6 +42,7 @@ pub use report::{Latency, Report};
 use check::PeriodLimit;
 use event_loop::{Counts, Plan, RunShared};
 use websocket::{handshake_key, handshake_request, parse_handshake, Handshake};
+use windows::Windows;
 use wire::{resp_elem, Elem, RespMode};
 use workload::{script_load_command, Picker, RequestTable};
 
@@ -61,6 +64,16 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     }
     let mut intervals = match &args.interval_json {
         Some(path) => Some(IntervalWriter::create(path, args.warmup, args.duration)?),
+        None => None,
+    };
+    // Created now, so that a path that cannot be written fails the run before the load; written
+    // once at the end.
+    let window_log = match &args.window_log {
+        Some(path) => {
+            let file = File::create(path)
+                .with_context(|| format!("cannot create --window-log {}", path.display()))?;
+            Some((path, file))
+        }
         None => None,
     };
     let table = RequestTable::build(args, script_sha.as_deref())?;
@@ -87,7 +100,8 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         rate: args.rate,
         pace_ns: args.pace_us * 1_000,
         warmup_ns: secs(args.warmup),
-        duration_ns: secs(args.duration),
+        duration_ns: args.duration_ns(),
+        window_ns: args.window_log.is_some().then(|| args.window_ns()),
         drain_ns: secs(args.drain_secs),
         connect_timeout_ns: secs(args.connect_timeout_secs),
         requests: args.requests,
@@ -183,12 +197,18 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
     let mut hist = Histogram::<u64>::new_with_bounds(1, event_loop::LATENCY_NS_MAX, 3)?;
     let mut counts = Counts::default();
     let mut hits = Vec::new();
+    let mut windows: Option<Windows> = None;
     let mut start = u64::MAX;
     let mut end = 0;
     for r in results {
         hist.add(&r.hist)?;
         counts.add(&r.counts);
         hits.extend(r.hits);
+        match (windows.as_mut(), r.windows) {
+            (Some(all), Some(w)) => all.add(&w),
+            (None, w) => windows = w,
+            (Some(_), None) => {}
+        }
         start = start.min(r.measure_start_ns);
         end = end.max(r.measure_end_ns);
     }
@@ -218,6 +238,10 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
             &args.actor_prefix,
         ))
     };
+    if let (Some((path, file)), Some(w)) = (window_log, windows.as_ref()) {
+        w.write_csv(BufWriter::new(file))
+            .with_context(|| format!("writing --window-log {}", path.display()))?;
+    }
     let mut config = args.clone();
     config.template = Some(args.template().to_string());
     Ok(Report {
@@ -241,6 +265,7 @@ pub fn run_with_progress(args: &Args, progress: bool) -> Result<Report> {
         reconnects: counts.reconnects,
         latency_us: Latency::from_histogram(&hist),
         check,
+        windows: windows.as_ref().map(Windows::summary),
         histogram: hist,
     })
 }

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::check::{CheckOutcome, Violation};
 use crate::config::Args;
+use crate::windows::WindowSummary;
 
 /// Latency figures in microseconds.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
@@ -64,6 +65,9 @@ pub struct Report {
     pub latency_us: Latency,
     /// Present with `--check`.
     pub check: Option<CheckOutcome>,
+    /// Present with `--window-log`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub windows: Option<WindowSummary>,
     /// Latencies in ns (for the plot).
     #[serde(skip)]
     pub histogram: Histogram<u64>,
@@ -116,6 +120,18 @@ impl Report {
         let _ = writeln!(t, "             p99 {:>10.1}", l.p99);
         let _ = writeln!(t, "           p99.9 {:>10.1}", l.p999);
         let _ = writeln!(t, "             max {:>10.1}", l.max);
+        if let Some(w) = &self.windows {
+            let over = if w.over_2ms == 0 {
+                "no hit over 2 ms".to_string()
+            } else {
+                format!(
+                    "{:.0} % of the {} hits over 2 ms fell in the worst tenth",
+                    w.share_of_over_2ms_in_worst_tenth * 100.0,
+                    w.over_2ms
+                )
+            };
+            let _ = writeln!(t, "windows      {} of {} ms; {over}", w.count, w.window_ms);
+        }
         if let Some(ch) = &self.check {
             let limits = if ch.periods.is_empty() {
                 format!("limit {} per {} s", ch.limit, ch.window_secs)

@@ -7,10 +7,9 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
-use common::{args, divvy_server, DivvyBehaviour};
+use common::{args, divvy_server, run_binary, DivvyBehaviour};
 use tollgate_loadtest::failover::{FailoverReport, ProbeArgs};
 
 #[test]
@@ -49,24 +48,15 @@ fn binary_reports_the_same_counts_in_json() {
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("out.json");
     let svg = dir.join("out.svg");
-    let out = Command::new(env!("CARGO_BIN_EXE_tollgate-loadtest"))
-        .args(["--target", &srv.target()])
-        .args("--actors 30 --requests 3000 --connections 6 --threads 2".split_whitespace())
-        .args("--pipeline 4 --duration 10".split_whitespace())
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--plot",
-            svg.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let target = srv.target();
+    let table = run_binary(
+        ["--target", &target]
+            .into_iter()
+            .chain("--actors 30 --requests 3000 --connections 6 --threads 2".split_whitespace())
+            .chain("--pipeline 4 --duration 10".split_whitespace())
+            .chain(["--json", json.to_str().unwrap()])
+            .chain(["--plot", svg.to_str().unwrap()]),
     );
-    let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("throughput") && table.contains("p99.9"),
         "{table}"

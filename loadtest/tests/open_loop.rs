@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{args, divvy_server, DivvyBehaviour};
+use common::{args, divvy_server, refusal, DivvyBehaviour};
 
 const DELAY_MS: f64 = 50.0;
 
@@ -133,9 +133,7 @@ fn a_paced_open_loop_keeps_its_rate_and_counts_the_lateness() {
 
 #[test]
 fn pacing_without_a_rate_is_refused() {
-    let error = tollgate_loadtest::run(&args("--target 127.0.0.1:1 --pace-us 100 --duration 0.1"))
-        .unwrap_err()
-        .to_string();
+    let error = refusal("--target 127.0.0.1:1 --pace-us 100 --duration 0.1");
     assert!(
         error.contains("--pace-us 100") && error.contains("--rate"),
         "{error}"

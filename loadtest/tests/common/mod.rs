@@ -252,3 +252,26 @@ pub fn args(flags: &str) -> tollgate_loadtest::Args {
     let argv = std::iter::once("tollgate-loadtest").chain(flags.split_whitespace());
     tollgate_loadtest::Args::parse_from_iter(argv).unwrap()
 }
+
+/// The error of a run with these flags (with its causes), which must fail.
+pub fn refusal(flags: &str) -> String {
+    format!("{:#}", tollgate_loadtest::run(&args(flags)).unwrap_err())
+}
+
+/// Run the built generator with `flags` and return what it printed; it must exit 0.
+pub fn run_binary<I, S>(flags: I) -> String
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate-loadtest"))
+        .args(flags)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
