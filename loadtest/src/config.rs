@@ -303,7 +303,7 @@ pub struct Args {
     pub window_log: Option<PathBuf>,
 
     /// With `--window-log`: the windows' length in milliseconds, 1 to 60000 (default: 10). The
-    /// measured time may make at most 1000000 windows.
+    /// measured time may make at most 100000 windows.
     #[arg(long)]
     pub window_ms: Option<u64>,
 
