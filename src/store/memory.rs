@@ -220,27 +220,36 @@ impl<S: StoredState> Default for Stripe<S> {
     }
 }
 
-/// One stripe and, beside its lock, where its slots are: read without the
-/// lock to prefetch a key's slot before locking (a stale value only makes
-/// the prefetch useless). Laid out to fit the first cache line of its
-/// padded cell.
+/// One stripe, alone in its padded cell: its lock, the table's header and
+/// its soonest expiry share the cell's first cache line.
 #[repr(C)]
 struct StripeCell<S: StoredState> {
-    slots_hint: AtomicPtr<u8>,
-    mask_hint: AtomicUsize,
     stripe: Mutex<Stripe<S>>,
 }
 
-impl<S: StoredState> StripeCell<S> {
-    /// Publishes where the table's slots are now (under the stripe's lock,
-    /// after anything that may have moved them).
+/// Where a stripe's slots are, read without the lock to prefetch a key's
+/// slot before locking (a stale value only makes the prefetch useless).
+/// Kept apart from the stripes' padded cells, four to a cache line (16 KiB
+/// for 1 024 stripes against their cells' 128 KiB), so that a batch's
+/// prefetch finds them cached and sends for its slots at once, without
+/// first waiting for the stripes' lock lines (docs/benchmarks.md,
+/// "Thirty-fifth round").
+#[repr(C, align(16))]
+struct SlotsHint {
+    base: AtomicPtr<u8>,
+    mask: AtomicUsize,
+}
+
+impl SlotsHint {
+    /// Publishes where `stripe`'s table has its slots now (under the
+    /// stripe's lock, after anything that may have moved them).
     #[inline(always)]
-    fn publish(&self, stripe: &Stripe<S>) {
+    fn publish<S: StoredState>(&self, stripe: &Stripe<S>) {
         let (base, mask) = stripe.table.base();
         let base = base.cast::<u8>().cast_mut();
-        if self.slots_hint.load(Ordering::Relaxed) != base {
-            self.slots_hint.store(base, Ordering::Relaxed);
-            self.mask_hint.store(mask, Ordering::Relaxed);
+        if self.base.load(Ordering::Relaxed) != base {
+            self.base.store(base, Ordering::Relaxed);
+            self.mask.store(mask, Ordering::Relaxed);
         }
     }
 }
@@ -404,6 +413,8 @@ pub type MemoryStore = StripedStore<CounterState>;
 
 pub struct StripedStore<S: StoredState> {
     stripes: Box<[CachePadded<StripeCell<S>>]>,
+    /// Each stripe's [`SlotsHint`], by the same index.
+    hints: Box<[SlotsHint]>,
     stripe_mask: usize,
     hasher: ahash::RandomState,
     live_keys: AtomicUsize,
@@ -421,10 +432,14 @@ impl<S: StoredState> StripedStore<S> {
             stripes: (0..stripes)
                 .map(|_| {
                     CachePadded::new(StripeCell {
-                        slots_hint: AtomicPtr::new(std::ptr::null_mut()),
-                        mask_hint: AtomicUsize::new(0),
                         stripe: Mutex::new(Stripe::default()),
                     })
+                })
+                .collect(),
+            hints: (0..stripes)
+                .map(|_| SlotsHint {
+                    base: AtomicPtr::new(std::ptr::null_mut()),
+                    mask: AtomicUsize::new(0),
                 })
                 .collect(),
             stripe_mask: stripes - 1,
@@ -498,7 +513,17 @@ impl<S: StoredState> StripedStore<S> {
 
     #[inline(always)]
     fn stripe_of(&self, hash: u64) -> &StripeCell<S> {
-        &self.stripes[(hash >> STRIPE_HASH_SHIFT) as usize & self.stripe_mask]
+        &self.stripes[self.stripe_index(hash)]
+    }
+
+    #[inline(always)]
+    fn stripe_index(&self, hash: u64) -> usize {
+        (hash >> STRIPE_HASH_SHIFT) as usize & self.stripe_mask
+    }
+
+    #[inline(always)]
+    fn hint_of(&self, hash: u64) -> &SlotsHint {
+        &self.hints[self.stripe_index(hash)]
     }
 
     /// Asks the CPU to fetch what a lookup of `key` will read first (its
@@ -557,14 +582,13 @@ impl<S: StoredState> StripedStore<S> {
     }
 
     /// The second half: the key's first slot, whose address is read from the
-    /// stripe's line (cached by then if [`StripedStore::prefetch_stripe`] ran
-    /// for it a little earlier).
+    /// stripe's [`SlotsHint`] (a small array that stays cached).
     #[inline(always)]
     pub fn prefetch_slot(&self, hash: u64) {
-        let cell = self.stripe_of(hash);
-        let base = cell.slots_hint.load(Ordering::Relaxed);
+        let hint = self.hint_of(hash);
+        let base = hint.base.load(Ordering::Relaxed);
         if !base.is_null() {
-            let mask = cell.mask_hint.load(Ordering::Relaxed);
+            let mask = hint.mask.load(Ordering::Relaxed);
             let offset = (hash as usize & mask) * std::mem::size_of::<Slot<S::Packed>>();
             prefetch_line(base.wrapping_add(offset));
         }
@@ -672,7 +696,7 @@ impl<S: StoredState> StripedStore<S> {
         if !self.reserve_live_key() {
             // Full: reclaim what has expired in this stripe, then try once more.
             self.sweep_locked(stripe, now_ms);
-            cell.publish(stripe);
+            self.hint_of(hash).publish(stripe);
             if !self.reserve_live_key() {
                 return Err(StoreFull {
                     live_keys_max: self.live_keys_max,
@@ -690,7 +714,7 @@ impl<S: StoredState> StripedStore<S> {
         stripe
             .table
             .insert_unique(hash, slot, |slot| self.slot_hash(slot));
-        cell.publish(stripe);
+        self.hint_of(hash).publish(stripe);
         Ok(result)
     }
 
@@ -753,7 +777,7 @@ impl<S: StoredState> StripedStore<S> {
                 examined += stripe.table.len();
             }
             self.sweep_locked(&mut stripe, now_ms);
-            cell.publish(&stripe);
+            self.hints[index].publish(&stripe);
             drop(stripe);
             index = (index + 1) & self.stripe_mask;
             if examined >= entries_budget {
@@ -903,13 +927,36 @@ mod tests {
         let end = |field: usize, size: usize| field + size - base;
         let table = std::ptr::from_ref(&stripe.table) as usize;
         let soonest = std::ptr::from_ref(&stripe.soonest_expiry_ms) as usize;
-        let spill = std::ptr::from_ref(&stripe.spill) as usize;
         assert!(end(table, std::mem::size_of_val(&stripe.table)) <= 64);
         assert!(end(soonest, 8) <= 64);
-        assert!(
-            spill - base >= 64,
-            "the cold slab box is in the second line"
-        );
+    }
+
+    /// The slot hints a prefetch reads first are packed four to a line,
+    /// apart from the padded cells, and follow each table as it moves.
+    #[test]
+    fn slot_hints_are_packed_and_follow_their_tables() {
+        assert_eq!(std::mem::size_of::<SlotsHint>(), 16);
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        assert_eq!(store.hints.len(), store.stripes.len());
+        let quota = WindowQuota::new(1_000, 60).unwrap();
+        for n in 0..20_000u32 {
+            let key = format!("k{n}");
+            store
+                .update(key.as_bytes(), 0, |s| {
+                    let (d, new) = fixed_window_hit(s, quota, 0);
+                    (d.allowed, new)
+                })
+                .unwrap();
+        }
+        for (cell, hint) in store.stripes.iter().zip(store.hints.iter()) {
+            let stripe = cell.stripe.lock();
+            let (base, mask) = stripe.table.base();
+            assert_eq!(
+                hint.base.load(Ordering::Relaxed),
+                base.cast::<u8>().cast_mut()
+            );
+            assert_eq!(hint.mask.load(Ordering::Relaxed), mask);
+        }
     }
 
     #[test]
