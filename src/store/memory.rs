@@ -561,9 +561,9 @@ impl<S: StoredState> StripedStore<S> {
     }
 
     /// Prefetches the stripes, then the first slots, of the keys whose
-    /// [`StripedStore::key_hash`]es are `hashes`: the two passes let the
-    /// stripe lines arrive before the second pass reads where their slots
-    /// are, and every miss of the batch is waited for together.
+    /// [`StripedStore::key_hash`]es are `hashes`: every miss of the batch
+    /// is sent for before any is waited on (a slot's address comes from its
+    /// stripe's [`SlotsHint`], which is usually cached).
     pub fn prefetch_hashes(&self, hashes: &[u64]) {
         for &hash in hashes {
             self.prefetch_stripe(hash);
@@ -573,9 +573,9 @@ impl<S: StoredState> StripedStore<S> {
         }
     }
 
-    /// The first half of a prefetch in two passes: the stripe's lock line,
-    /// which also holds where its slots are. Computing the address reads
-    /// nothing, so a batch can issue this for every key without waiting.
+    /// The first half of a prefetch in two passes: the stripe's lock line
+    /// (with the table's header). Computing the address reads nothing, so a
+    /// batch can issue this for every key without waiting.
     #[inline(always)]
     pub fn prefetch_stripe(&self, hash: u64) {
         prefetch_line(self.stripe_of(hash));

@@ -393,7 +393,8 @@ impl DataPlane {
     fn prefetch_frame(&self, body: &[u8]) {
         // Two passes: every key's stripe line first (an address computed
         // from the hash alone, so no pass waits), then every key's slot,
-        // whose address is read from the stripe line fetched meanwhile.
+        // whose address is read from its stripe's slot hint (a dense array
+        // that is usually cached).
         // The hashes go in a buffer kept by the thread: no allocation per
         // frame, and nothing to clear (zeroing a 32 KiB array on the stack
         // for each frame cost five nodes' small frames 66 ns per hit).
