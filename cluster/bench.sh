@@ -491,23 +491,22 @@ one_cpu=$(python3 -c "import os; print(max(os.sched_getaffinity(0)))")
 all_cpus=$(python3 -c "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))")
 pin_servers() { # pin_servers CPU_LIST: every thread of the cluster's and the floor's nodes
   local pid
-  for pid in $(cat "$RUN_DIR"/node*.pid) "${FLOOR_PIDS[@]}"; do taskset -a -p -c "$1" "$pid" > /dev/null; done
+  for pid in $(cluster_pids) "${FLOOR_PIDS[@]}"; do taskset -a -p -c "$1" "$pid" > /dev/null; done
 }
 echo "open loop on CPU $one_cpu only" >&2
 pin_servers "$one_cpu"
 open_pin=(taskset -c "$one_cpu")
-one_cpu_run() { # one_cpu_run NAME TARGET PIDS...: the open loop, and the servers' CPU over its measured window
-  local name=$1 target=$2 load before after
+one_cpu_run() { # one_cpu_run NAME TARGET PIDS...: the open loop, and the servers measured meanwhile
+  local name=$1 target=$2 waits=()
   shift 2
+  measure "$name" "" "$@" &
+  waits+=($!)
   open_load "$name" "$target" "$OPEN_CONNECTIONS" "$RATE" &
-  load=$!
-  sleep "$WARMUP"; before=$(cpu_ticks "$@")
-  sleep "$DURATION"; after=$(cpu_ticks "$@")
-  wait "$load"
-  echo "$before $after" > "$OUT_DIR/$name.ticks"
+  waits+=($!)
+  wait "${waits[@]}"
 }
 # shellcheck disable=SC2046 # one pid per word
-one_cpu_run open-strict-one-cpu "$all_nodes" $(cat "$RUN_DIR"/node*.pid)
+one_cpu_run open-strict-one-cpu "$all_nodes" $(cluster_pids)
 one_cpu_run open-floor-one-cpu "$floor_open" "${FLOOR_PIDS[@]}"
 open_pin=()
 pin_servers "$all_cpus"
@@ -710,8 +709,7 @@ print(f"| strict p99 at a third of its maximum, open loop, median of {open_round
 print(f"| (the same, leader-aware clients) | {strict_aware_p99 / 1000:.2f} ms | context |")
 def one_cpu_figures(name):
     run = read(f"open-{name}-one-cpu")
-    bu, bs, au, as_ = map(int, open(path(f"open-{name}-one-cpu.ticks")).read().split())
-    cpu_us = ((au - bu) + (as_ - bs)) / os.sysconf("SC_CLK_TCK") * 1e6 / (run["throughput_per_sec"] * float(duration))
+    cpu_us = sum(cpu(f"open-{name}-one-cpu")) * 1e6 / (run["throughput_per_sec"] * duration)
     latency = run["latency_us"]
     return f"{latency['p50'] / 1000:.2f} / {latency['p99'] / 1000:.2f} ms, {cpu_us:.2f} us per hit"
 print(f"| (the same, servers and generator on one CPU, one run: p50 / p99, servers' CPU per hit) | "

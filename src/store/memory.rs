@@ -646,7 +646,8 @@ impl<S: StoredState> StripedStore<S> {
         step: impl FnOnce(Option<S>) -> (R, Option<S>),
     ) -> Result<R, StoreFull> {
         let (key, hash) = (probe.key, probe.hash);
-        let cell = self.stripe_of(hash);
+        let index = self.stripe_index(hash);
+        let (cell, hint) = (&self.stripes[index], &self.hints[index]);
         let mut guard = cell.stripe.lock();
         let stripe = &mut *guard;
         let Stripe {
@@ -696,7 +697,7 @@ impl<S: StoredState> StripedStore<S> {
         if !self.reserve_live_key() {
             // Full: reclaim what has expired in this stripe, then try once more.
             self.sweep_locked(stripe, now_ms);
-            self.hint_of(hash).publish(stripe);
+            hint.publish(stripe);
             if !self.reserve_live_key() {
                 return Err(StoreFull {
                     live_keys_max: self.live_keys_max,
@@ -714,7 +715,7 @@ impl<S: StoredState> StripedStore<S> {
         stripe
             .table
             .insert_unique(hash, slot, |slot| self.slot_hash(slot));
-        self.hint_of(hash).publish(stripe);
+        hint.publish(stripe);
         Ok(result)
     }
 
